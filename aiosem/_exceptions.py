@@ -1,0 +1,73 @@
+"""The exceptions aiosem raises.
+
+Everything aiosem raises on purpose derives from `SemaphoreError`::
+
+    SemaphoreError
+    ├── AcquireTimeout   (also a TimeoutError)
+    └── PermitLost
+
+Misuse -- a bad argument, a permit handed to the wrong semaphore -- raises the
+built-in `TypeError` or `ValueError` before anything is sent to Redis. Errors
+of Redis itself (`redis.RedisError` and its subclasses, such as
+`redis.ConnectionError`) are never swallowed: they reach the caller as raised
+by redis-py.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AcquireTimeout", "PermitLost", "SemaphoreError"]
+
+
+class SemaphoreError(Exception):
+    """Base class of the errors aiosem raises about a semaphore.
+
+    Attributes:
+        name: The name of the semaphore.
+    """
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        #: The name of the semaphore.
+        self.name = name
+
+
+class AcquireTimeout(SemaphoreError, TimeoutError):
+    """No permit could be had within the blocking timeout.
+
+    Raised by ``async with semaphore`` when ``blocking_timeout`` runs out;
+    `acquire` returns ``None`` instead. Also a `TimeoutError`, so code that
+    handles timeouts generically catches it too.
+
+    Attributes:
+        name: The name of the semaphore.
+        blocking_timeout: How long the caller waited, in seconds.
+    """
+
+    def __init__(self, *, name: str, blocking_timeout: float) -> None:
+        super().__init__(
+            f"no permit of semaphore {name!r} within {blocking_timeout:g} s",
+            name=name,
+        )
+        #: How long the caller waited, in seconds.
+        self.blocking_timeout = blocking_timeout
+
+
+class PermitLost(SemaphoreError):
+    """A permit was no longer held when its holder still relied on it.
+
+    Its lease ran out -- the holder neither refreshed nor released it within
+    ``timeout`` -- and another client may have been granted it since: the
+    work done under it may have overlapped with another holder's.
+
+    Attributes:
+        name: The name of the semaphore.
+        identifier: The identifier of the lost permit.
+    """
+
+    def __init__(self, *, name: str, identifier: str) -> None:
+        super().__init__(
+            f"permit {identifier} of semaphore {name!r} was lost: its lease ran out",
+            name=name,
+        )
+        #: The identifier of the lost permit.
+        self.identifier = identifier

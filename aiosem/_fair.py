@@ -1,0 +1,96 @@
+"""`AsyncFairSemaphore`: each step is one Lua script, one round trip."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
+from ._semaphore import Operation, Reply, _Semaphore
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from ._keys import SemaphoreKeys
+
+__all__ = ["AsyncFairSemaphore", "fair_step"]
+
+_SCRIPTS = {"acquire": FAIR_ACQUIRE, "release": FAIR_RELEASE, "refresh": FAIR_REFRESH}
+
+
+def format_now(now: float | None) -> str:
+    """The ``now`` argument of every script: '' lets the script read the server's clock."""
+    return "" if now is None else repr(now)
+
+
+async def fair_step(
+    client: Redis,
+    operation: Operation,
+    keys: SemaphoreKeys,
+    identifiers: Sequence[str],
+    *,
+    now: float | None,
+    lease: float,
+    limit: int,
+) -> Reply:
+    """Run one fair-semaphore script; shared by the class and the recipes."""
+    args: list[str | int] = [format_now(now), repr(lease)]
+    if operation == "acquire":
+        args.append(limit)
+    args.extend(identifiers)
+    raw = await _SCRIPTS[operation].run(client, keys.fair, args)
+    next_expiry = int(raw[1])
+    return Reply(
+        holders=int(raw[0]),
+        next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
+        values=tuple(int(value) for value in raw[2:]),
+    )
+
+
+class AsyncFairSemaphore(_Semaphore):
+    """A counting semaphore shared through Redis, each step one Lua script.
+
+    Like `asyncio.Semaphore`, but the count lives in Redis, so every process
+    using the same name and Redis shares one limit; and each permit is a
+    lease, so a holder that crashes frees its permit after ``timeout``.
+
+        sem = AsyncFairSemaphore(redis, "db", limit=3, timeout=10)
+        async with sem as permit:
+            ...  # at most 3 bodies run at once, across all processes
+
+    Grants, releases and refreshes are each one atomic script on the
+    server's clock, so no race between clients and no client's clock can
+    push it over its limit. The data is laid out as in *Redis in Action*
+    (see `aiosem.recipes`), and each permit carries a fencing token.
+
+    Args:
+        client: A ``redis.asyncio.Redis`` client; the semaphore borrows it.
+        name: The semaphore's name: any non-empty string.
+        limit: How many permits may be held at once (at least 1).
+        timeout: The lease in seconds: a permit neither refreshed nor
+            released within it is reclaimed. Every user of a semaphore must
+            use the same lease.
+        blocking_timeout: How long `acquire` and ``async with`` wait by
+            default, in seconds; ``None`` waits for ever.
+        prefix: The first part of every key (no braces).
+        clock: Read the time here instead of on the Redis server, e.g.
+            ``time.time`` for a server that forbids ``TIME`` in scripts (then
+            every client's clock must agree), or a fake clock in tests.
+
+    Raises:
+        TypeError: An argument has the wrong type (the message names it).
+        ValueError: An argument is out of range (the message names it).
+    """
+
+    __slots__ = ()
+
+    async def _execute(self, operation: Operation, identifiers: Sequence[str]) -> Reply:
+        return await fair_step(
+            self._client,
+            operation,
+            self._keys,
+            identifiers,
+            now=self._now(),
+            lease=self._timeout,
+            limit=self._limit,
+        )

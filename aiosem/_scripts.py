@@ -1,0 +1,58 @@
+"""The Lua scripts, read once from ``aiosem/lua`` and run by EVALSHA.
+
+A script is plain data -- its source and SHA1 -- and never bound to a client
+or an event loop, so one module-level instance serves every client. The
+first call on a server that has not seen a script (or has flushed its cache,
+or received the slot in a migration) gets NOSCRIPT and falls back to EVAL,
+which also loads the script for the calls after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import NoScriptError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+_LUA = files("aiosem") / "lua"
+_PRELUDE = (_LUA / "_prelude.lua").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script: the shared prelude followed by one operation."""
+
+    name: str
+    source: str
+    sha: str
+
+    @classmethod
+    def load(cls, name: str) -> Script:
+        body = (_LUA / f"{name}.lua").read_text(encoding="utf-8")
+        source = f"{_PRELUDE}\n{body}"
+        return cls(name, source, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 -- Redis names scripts by SHA1
+
+    async def run(self, client: Redis, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Run the script by EVALSHA, falling back to EVAL on NOSCRIPT.
+
+        Raises:
+            redis.RedisError: Anything but NOSCRIPT, as redis-py raised it.
+        """
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)  # type: ignore[misc]
+
+
+FAIR_ACQUIRE = Script.load("fair_acquire")
+FAIR_RELEASE = Script.load("fair_release")
+FAIR_REFRESH = Script.load("fair_refresh")
+BASIC_ACQUIRE = Script.load("basic_acquire")
+BASIC_RELEASE = Script.load("basic_release")
+LOCK_RELEASE = Script.load("lock_release")

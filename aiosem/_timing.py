@@ -1,0 +1,54 @@
+"""Deadlines and polling back-off, shared by every loop that waits."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+
+#: The first pause of a polling loop, and the longest.
+_FIRST_PAUSE = 0.001
+_LONGEST_PAUSE = 0.05
+
+
+class Deadline:
+    """A point on the event loop's clock; ``None`` seconds never arrive."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, seconds: float | None) -> None:
+        self._at = None if seconds is None else anyio.current_time() + seconds
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative), or ``None`` for no deadline."""
+        if self._at is None:
+            return None
+        return max(0.0, self._at - anyio.current_time())
+
+    def passed(self) -> bool:
+        return self._at is not None and anyio.current_time() >= self._at
+
+
+class Backoff:
+    """Exponential back-off with jitter for polling loops.
+
+    Pauses double from 1 ms to at most 50 ms, and each is drawn uniformly
+    from its upper half so that pollers started together drift apart: no hot
+    loop, and no herd arriving in step.
+    """
+
+    __slots__ = ("_ceiling",)
+
+    def __init__(self) -> None:
+        self._ceiling = _FIRST_PAUSE
+
+    async def pause(self, deadline: Deadline, *, wake_by: float | None = None) -> None:
+        """Sleep for the next pause, cut short by ``deadline`` and ``wake_by`` seconds."""
+        pause = random.uniform(self._ceiling / 2, self._ceiling)  # noqa: S311 -- jitter, not secrets
+        self._ceiling = min(self._ceiling * 2, _LONGEST_PAUSE)
+        if wake_by is not None:
+            pause = min(pause, wake_by)
+        remaining = deadline.remaining()
+        if remaining is not None:
+            pause = min(pause, remaining)
+        await anyio.sleep(pause)

@@ -1,0 +1,62 @@
+"""Argument checks shared by the semaphores and the recipes.
+
+Each check raises before anything reaches Redis, with a message that names
+the argument, and returns the value in the form the caller stores.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def check_name(value: Any, argument: str = "name") -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{argument} must not be empty")
+    return value
+
+
+def check_limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"limit must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"limit must be at least 1, got {value}")
+    return value
+
+
+def _check_number(value: Any, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
+    if math.isnan(value):
+        raise ValueError(f"{argument} must not be NaN")
+    return float(value)
+
+
+def check_timeout(value: Any, argument: str = "timeout") -> float:
+    """A duration that must be positive and finite (a lease, a lock's TTL)."""
+    seconds = _check_number(value, argument)
+    if seconds <= 0 or math.isinf(seconds):
+        raise ValueError(f"{argument} must be a positive, finite number of seconds, got {value}")
+    return seconds
+
+
+def check_wait(value: Any, argument: str = "blocking_timeout") -> float | None:
+    """How long to wait: ``None`` (or infinity) waits for ever, 0 not at all."""
+    if value is None:
+        return None
+    seconds = _check_number(value, argument)
+    if seconds < 0:
+        raise ValueError(f"{argument} must not be negative, got {value}")
+    return None if math.isinf(seconds) else seconds
+
+
+def check_now(value: Any) -> float | None:
+    """A caller-supplied clock reading in seconds, or ``None`` for the server's."""
+    if value is None:
+        return None
+    seconds = _check_number(value, "now")
+    if math.isinf(seconds):
+        raise ValueError(f"now must be finite, got {value}")
+    return seconds
