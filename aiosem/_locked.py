@@ -172,8 +172,8 @@ class _Plan:
         dead = {member for member, score in leases.items() if score <= cutoff}
         leases = {member: score for member, score in leases.items() if member not in dead}
         owners = {member: score for member, score in owners.items() if member not in dead}
-        if len(leases) != len(owners):
-            strays = leases.keys() ^ owners.keys()
+        strays = leases.keys() ^ owners.keys()
+        if strays:
             dead |= strays
             leases = {member: score for member, score in leases.items() if member not in strays}
             owners = {member: score for member, score in owners.items() if member not in strays}

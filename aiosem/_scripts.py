@@ -56,3 +56,5 @@ FAIR_REFRESH = Script.load("fair_refresh")
 BASIC_ACQUIRE = Script.load("basic_acquire")
 BASIC_RELEASE = Script.load("basic_release")
 LOCK_RELEASE = Script.load("lock_release")
+
+ALL_SCRIPTS = (FAIR_ACQUIRE, FAIR_RELEASE, FAIR_REFRESH, BASIC_ACQUIRE, BASIC_RELEASE, LOCK_RELEASE)

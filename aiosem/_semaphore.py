@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
+import redis
 
 from ._exceptions import AcquireTimeout, PermitLost, SemaphoreError
 from ._keys import SemaphoreKeys, check_prefix
@@ -204,7 +205,8 @@ class _Semaphore(ABC):
             never read. It releases that identifier, shielded from the
             cancellation and bounded in time, before the cancellation
             propagates. Should that release reach Redis before the grant
-            does, the permit is held until its lease runs out.
+            does, the permit is held until its lease runs out; so is one
+            granted just before the connection failed.
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         deadline = Deadline(wait if blocking else 0.0)
@@ -213,6 +215,11 @@ class _Semaphore(ABC):
         while True:
             try:
                 reply = await self._execute("acquire", (identifier,))
+            except (redis.ConnectionError, redis.ResponseError):
+                # The script was refused or the server is out of reach: a grant
+                # that did happen ends with its lease, and a release would only
+                # delay this error.
+                raise
             except BaseException:
                 await self._abandon(identifier)
                 raise

@@ -31,16 +31,19 @@ local function aiosem_zrem_all(key, members)
 end
 
 -- Remove every permit whose lease ran out from both sets. A book client
--- writes the two sets in separate steps, so afterwards drop any member that
--- is in one set only: an owner entry without a lease would hold a permit
--- forever, a lease without an owner entry counts for nothing.
+-- writes the two sets in separate steps, and eviction may take one set and
+-- not the other, so afterwards drop any member that is in one set only: an
+-- owner entry without a lease would hold a permit forever, a lease without
+-- an owner entry counts for nothing. (ZINTERCARD needs Redis 7.)
 local function aiosem_reap(timeout_set, owner_set, cutoff)
   local expired = redis.call('ZRANGEBYSCORE', timeout_set, '-inf', aiosem_seconds(cutoff))
   if #expired > 0 then
     aiosem_zrem_all(timeout_set, expired)
     aiosem_zrem_all(owner_set, expired)
   end
-  if redis.call('ZCARD', owner_set) ~= redis.call('ZCARD', timeout_set) then
+  local held = redis.call('ZCARD', owner_set)
+  if held ~= redis.call('ZCARD', timeout_set)
+      or (held > 0 and redis.call('ZINTERCARD', 2, owner_set, timeout_set) ~= held) then
     redis.call('ZINTERSTORE', owner_set, 2, owner_set, timeout_set, 'WEIGHTS', 1, 0)
     redis.call('ZINTERSTORE', timeout_set, 2, timeout_set, owner_set, 'WEIGHTS', 1, 0)
   end

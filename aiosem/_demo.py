@@ -1,0 +1,259 @@
+"""``python -m aiosem demo``: worker processes share one limit, watched live.
+
+Each worker process runs many coroutines that loop: take a permit, increment
+a shared in-use counter in Redis, hold for a moment, decrement, release. The
+counter is only ever touched while a permit is held, so any reading above
+the limit is an over-admission. The same workers drive the multi-process
+contention tests, for every semaphore and recipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Final, Literal, TypeAlias
+
+import redis
+import redis.asyncio
+
+from . import recipes
+from ._fair import AsyncFairSemaphore
+from ._locked import AsyncLockedSemaphore
+from ._scripts import ALL_SCRIPTS
+from ._timing import Backoff, Deadline
+
+Kind: TypeAlias = Literal[
+    "fair", "locked", "recipe-basic", "recipe-fair", "recipe-locked", "recipe-lock", "recipe-lock-with-timeout"
+]
+KINDS: Final[tuple[Kind, ...]] = (
+    "fair",
+    "locked",
+    "recipe-basic",
+    "recipe-fair",
+    "recipe-locked",
+    "recipe-lock",
+    "recipe-lock-with-timeout",
+)
+
+#: How long the workers wait for each other before they start together.
+_START_TIMEOUT: Final = 60.0
+#: The lease the workers take: far longer than any hold, so that a reading
+#: over the limit can only mean a wrongly granted permit.
+_LEASE: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """What every worker of one run is told."""
+
+    url: str
+    kind: Kind
+    name: str
+    limit: int
+    workers: int
+    coroutines: int
+    duration: float
+    hold: float
+
+    @property
+    def in_use_key(self) -> str:
+        return f"aiosem-demo:{{{self.name}}}:in-use"
+
+    @property
+    def ready_key(self) -> str:
+        return f"aiosem-demo:{{{self.name}}}:ready"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one worker, or a whole run, observed."""
+
+    grants: int
+    peak: int
+    over_limit: int
+
+    def __add__(self, other: Result) -> Result:
+        return Result(self.grants + other.grants, max(self.peak, other.peak), self.over_limit + other.over_limit)
+
+
+Holder = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+
+def _holder(client: redis.asyncio.Redis, config: Config) -> Holder:
+    """How one coroutine of this kind holds a permit."""
+    name, limit = config.name, config.limit
+    if config.kind in ("fair", "locked"):
+        cls = AsyncFairSemaphore if config.kind == "fair" else AsyncLockedSemaphore
+        semaphore = cls(client, name, limit, timeout=_LEASE)
+
+        @contextlib.asynccontextmanager
+        async def hold_class() -> AsyncIterator[None]:
+            async with semaphore:
+                yield
+
+        return hold_class
+
+    try_once, release = {
+        "recipe-basic": (
+            lambda: recipes.acquire_semaphore(client, name, limit, _LEASE),
+            lambda i: recipes.release_semaphore(client, name, i, _LEASE),
+        ),
+        "recipe-fair": (
+            lambda: recipes.acquire_fair_semaphore(client, name, limit, _LEASE),
+            lambda i: recipes.release_fair_semaphore(client, name, i, _LEASE),
+        ),
+        "recipe-locked": (
+            lambda: recipes.acquire_semaphore_with_lock(client, name, limit, _LEASE),
+            lambda i: recipes.release_fair_semaphore(client, name, i, _LEASE),
+        ),
+        "recipe-lock": (
+            lambda: recipes.acquire_lock(client, name, acquire_timeout=0),
+            lambda i: recipes.release_lock(client, name, i),
+        ),
+        "recipe-lock-with-timeout": (
+            lambda: recipes.acquire_lock_with_timeout(client, name, acquire_timeout=0, lock_timeout=_LEASE),
+            lambda i: recipes.release_lock(client, name, i),
+        ),
+    }[config.kind]
+
+    @contextlib.asynccontextmanager
+    async def hold_recipe() -> AsyncIterator[None]:
+        backoff = Backoff()
+        while (identifier := await try_once()) is None:
+            await backoff.pause(Deadline(None))
+        try:
+            yield
+        finally:
+            await release(identifier)
+
+    return hold_recipe
+
+
+async def _work(config: Config) -> Result:
+    client = redis.asyncio.Redis.from_url(config.url, max_connections=config.coroutines + 4)
+    grants = peak = over = 0
+    try:
+        hold = _holder(client, config)
+        await client.incr(config.ready_key)
+        start = Deadline(_START_TIMEOUT)
+        backoff = Backoff()
+        while int(await client.get(config.ready_key) or 0) < config.workers and not start.passed():
+            await backoff.pause(start)
+        end = Deadline(config.duration)
+
+        async def loop() -> None:
+            nonlocal grants, peak, over
+            while not end.passed():
+                async with hold():
+                    in_use = await client.incr(config.in_use_key)
+                    grants += 1
+                    peak = max(peak, in_use)
+                    over += in_use > config.limit
+                    await asyncio.sleep(random.uniform(0, 2 * config.hold))
+                    await client.decr(config.in_use_key)
+
+        await asyncio.gather(*(loop() for _ in range(config.coroutines)))
+    finally:
+        await client.aclose()
+    return Result(grants, peak, over)
+
+
+def _worker_process(config: Config) -> Result:
+    return asyncio.run(_work(config))
+
+
+def run(config: Config, *, on_tick: Callable[[int, float], None] | None = None) -> Result:
+    """Run ``config.workers`` processes against ``config.url`` and add up what they saw.
+
+    ``on_tick(in_use, elapsed)`` is called about ten times a second with the
+    in-use counter as Redis has it.
+    """
+    watcher = redis.Redis.from_url(config.url)
+    watcher.delete(config.in_use_key, config.ready_key)
+    started = time.monotonic()
+    try:
+        with ProcessPoolExecutor(config.workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_worker_process, config) for _ in range(config.workers)]
+            while not all(future.done() for future in futures):
+                if on_tick is not None:
+                    on_tick(int(watcher.get(config.in_use_key) or 0), time.monotonic() - started)
+                time.sleep(0.1)
+            total = Result(0, 0, 0)
+            for future in futures:
+                total += future.result()
+            return total
+    finally:
+        watcher.delete(config.in_use_key, config.ready_key)
+        watcher.close()
+
+
+@contextlib.contextmanager
+def embedded_server() -> Iterator[str]:
+    """Serve fakeredis on a free loopback port, so that processes can share it.
+
+    Raises:
+        ModuleNotFoundError: fakeredis or lupa is missing
+            (``pip install 'aiosem[memory]'``).
+    """
+    import lupa  # noqa: F401, PLC0415 -- fakeredis needs it for Lua, and says so only at the first script
+    from fakeredis import TcpFakeServer  # noqa: PLC0415 -- an optional dependency
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    thread = threading.Thread(target=server.serve_forever, name="aiosem-embedded-redis", daemon=True)
+    thread.start()
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        # fakeredis's TCP server drops a connection after any error reply, NOSCRIPT
+        # included: load every script up front so that no call ever meets one.
+        with redis.Redis.from_url(url) as loader:
+            for script in ALL_SCRIPTS:
+                loader.script_load(script.source)
+        yield url
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _live_view(limit: int, duration: float) -> Callable[[int, float], None]:
+    interactive = sys.stdout.isatty()
+    peak = 0
+    last_line = -1.0
+
+    def tick(in_use: int, elapsed: float) -> None:
+        nonlocal peak, last_line
+        peak = max(peak, in_use)
+        bar = "#" * min(in_use, 40) + "." * max(0, min(limit, 40) - in_use)
+        line = f"{elapsed:5.1f}/{duration:g} s  in use [{bar}] {in_use}/{limit}  peak {peak}"
+        if interactive:
+            print(f"\r{line}", end="", flush=True)
+        elif elapsed - last_line >= 1.0:
+            print(line, flush=True)
+            last_line = elapsed
+
+    return tick
+
+
+def main(config: Config, *, embedded: bool) -> int:
+    """Run the demo with a live view; return the exit status (1 if the limit was ever exceeded)."""
+    where = "an embedded Redis (fakeredis)" if embedded else config.url
+    print(
+        f"{config.workers} processes x {config.coroutines} coroutines share limit {config.limit} "
+        f"of a {config.kind!r} semaphore on {where} for {config.duration:g} s"
+    )
+    result = run(config, on_tick=_live_view(config.limit, config.duration))
+    print()
+    print(f"grants {result.grants}  peak in use {result.peak}/{config.limit}  over limit {result.over_limit}")
+    return 0 if result.over_limit == 0 else 1

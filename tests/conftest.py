@@ -1,0 +1,74 @@
+"""Fixtures: real ``redis-server`` processes of our own, and fakeredis.
+
+Each server runs on a free loopback port, in a temporary directory, and is
+stopped by its PID. The binary is ``$AIOSEM_REDIS_SERVER`` or
+``redis-server`` on ``PATH``; without one the real-server tests skip with one
+message, except under CI (``CI`` set), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis.asyncio
+
+from tests.support import FakeClock, RedisServer
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    binary = os.environ.get("AIOSEM_REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        message = "no redis-server binary: install redis-server or set AIOSEM_REDIS_SERVER"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for the whole session, for tests that leave it as they found it."""
+    server = RedisServer(redis_binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis_server(redis_binary: str, tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, for tests that reconfigure or break it."""
+    server = RedisServer(redis_binary, tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def real_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis_server.client()
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of a real server (flushed) and of fakeredis: every backend test runs on both."""
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        connection = server.client()
+        await connection.flushdb()
+    else:
+        connection = fakeredis.FakeAsyncRedis()
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -1,0 +1,109 @@
+"""Test helpers: our own ``redis-server`` processes, and a clock moved by hand."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis.asyncio
+
+#: How long a server may take to answer its first PING.
+_START_TIMEOUT = 10.0
+
+
+class RedisServer:
+    """A ``redis-server`` process of our own on a loopback port."""
+
+    def __init__(self, binary: str, directory: Path, *extra: str) -> None:
+        self.binary = binary
+        self.directory = directory
+        self.extra = extra
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def client(self, **options: object) -> redis.asyncio.Redis:
+        return redis.asyncio.Redis(host=self.host, port=self.port, **options)  # type: ignore[arg-type]
+
+    def start(self) -> None:
+        """Start on a free port; a port taken between probe and bind is retried."""
+        for _ in range(5):
+            with socket.socket() as probe:
+                probe.bind((self.host, 0))
+                self.port = probe.getsockname()[1]
+            log = self.directory / f"redis-{self.port}.log"
+            self.process = subprocess.Popen(
+                [
+                    self.binary,
+                    "--port", str(self.port),
+                    "--bind", self.host,
+                    "--save", "",
+                    "--appendonly", "no",
+                    "--dir", str(self.directory),
+                    "--logfile", str(log),
+                    *self.extra,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            if self._wait_until_ready():
+                return
+            self.stop()
+        raise RuntimeError(f"redis-server would not start; see {self.directory}")
+
+    def _wait_until_ready(self) -> bool:
+        assert self.process is not None
+        deadline = time.monotonic() + _START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.host, self.port), timeout=1) as connection:
+                    connection.sendall(b"PING\r\n")
+                    if connection.recv(64).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        """Stop the process by its PID: SIGTERM, then SIGKILL if it lingers."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=5)
+        self.process = None
+
+
+
+class FakeClock:
+    """A clock the tests move by hand, passed to a semaphore as ``clock``."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
