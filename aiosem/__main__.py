@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import secrets
 import sys
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from ._demo import KINDS, Config, embedded_server
 from ._demo import main as run_demo
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def redact(url: str) -> str:

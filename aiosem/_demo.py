@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -102,7 +102,7 @@ def _holder(client: redis.asyncio.Redis, config: Config) -> Holder:
 
         return hold_class
 
-    try_once, release = {
+    calls: dict[str, tuple[Callable[[], Awaitable[str | None]], Callable[[str], Awaitable[bool]]]] = {
         "recipe-basic": (
             lambda: recipes.acquire_semaphore(client, name, limit, _LEASE),
             lambda i: recipes.release_semaphore(client, name, i, _LEASE),
@@ -123,7 +123,8 @@ def _holder(client: redis.asyncio.Redis, config: Config) -> Holder:
             lambda: recipes.acquire_lock_with_timeout(client, name, acquire_timeout=0, lock_timeout=_LEASE),
             lambda i: recipes.release_lock(client, name, i),
         ),
-    }[config.kind]
+    }
+    try_once, release = calls[config.kind]
 
     @contextlib.asynccontextmanager
     async def hold_recipe() -> AsyncIterator[None]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import Operation, Reply, _Semaphore
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from redis.asyncio import Redis
 
     from ._keys import SemaphoreKeys

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -15,6 +14,8 @@ from ._semaphore import Operation, Reply, _Semaphore
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from redis.asyncio import Redis
 
     from ._keys import SemaphoreKeys
@@ -147,7 +148,7 @@ class _Plan:
     both classes behave identically on the same data.
     """
 
-    __slots__ = ("_connection", "_counter", "_keys", "_leases", "_lease", "_now", "_owners", "writes")
+    __slots__ = ("_connection", "_counter", "_keys", "_lease", "_leases", "_now", "_owners", "writes")
 
     def __init__(
         self,

@@ -10,7 +10,6 @@ which also loads the script for the calls after it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import NoScriptError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from redis.asyncio import Redis
 
 _LUA = files("aiosem") / "lua"
@@ -45,9 +46,9 @@ class Script:
             redis.RedisError: Anything but NOSCRIPT, as redis-py raised it.
         """
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)  # type: ignore[misc]
+            return await client.eval(self.source, len(keys), *keys, *args)
 
 
 FAIR_ACQUIRE = Script.load("fair_acquire")

@@ -11,10 +11,8 @@ import enum
 import logging
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
@@ -26,6 +24,9 @@ from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_timeout, check_wait
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import TracebackType
+
     from redis.asyncio import Redis
 
 logger = logging.getLogger("aiosem")
@@ -181,7 +182,7 @@ class _Semaphore(ABC):
         return permit
 
     async def acquire(
-        self, blocking: bool = True, blocking_timeout: float | None | _Default = DEFAULT
+        self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT
     ) -> Permit | None:
         """Take a permit, waiting for one if ``blocking``.
 
@@ -298,7 +299,7 @@ class _Semaphore(ABC):
         """
         permit = await self.acquire()
         if permit is None:
-            assert self._blocking_timeout is not None  # only a bounded wait gives up
+            assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
         _held.set((*_held.get(), (self, permit)))
         return permit

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ._fair import fair_step, format_now
 from ._keys import SemaphoreKeys
@@ -156,7 +156,7 @@ async def release_fair_semaphore(
         TypeError, ValueError: A bad argument (the message names it).
         redis.RedisError: Redis failed or could not be reached.
     """
-    return await _fair_flag(conn, "release", semname, identifier, timeout, now)
+    return await _fair_flag(conn, "release", semname, identifier, timeout=timeout, now=now)
 
 
 async def refresh_fair_semaphore(
@@ -177,20 +177,21 @@ async def refresh_fair_semaphore(
         TypeError, ValueError: A bad argument (the message names it).
         redis.RedisError: Redis failed or could not be reached.
     """
-    return await _fair_flag(conn, "refresh", semname, identifier, timeout, now)
+    return await _fair_flag(conn, "refresh", semname, identifier, timeout=timeout, now=now)
 
 
 async def _fair_flag(
     conn: Redis,
-    operation: str,
+    operation: Literal["release", "refresh"],
     semname: object,
     identifier: object,
+    *,
     timeout: object,
     now: object,
 ) -> bool:
     reply = await fair_step(
         conn,
-        "release" if operation == "release" else "refresh",
+        operation,
         SemaphoreKeys(check_name(semname, "semname")),
         (check_name(identifier, "identifier"),),
         now=check_now(now),

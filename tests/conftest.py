@@ -9,19 +9,23 @@ message, except under CI (``CI`` set), where they fail.
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fakeredis
 import pytest
-import redis.asyncio
 
-from tests.support import FakeClock, RedisServer
+from tests.support import FakeClock, RedisServer, find_redis_server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+    from pathlib import Path
+
+    import redis.asyncio
+
 
 @pytest.fixture(scope="session")
 def redis_binary() -> str:
-    binary = os.environ.get("AIOSEM_REDIS_SERVER") or shutil.which("redis-server")
+    binary = find_redis_server()
     if binary is None:
         message = "no redis-server binary: install redis-server or set AIOSEM_REDIS_SERVER"
         if os.environ.get("CI"):

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
+import redis
 import redis.asyncio
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 #: How long a server may take to answer its first PING.
 _START_TIMEOUT = 10.0
+
+
+def find_redis_server() -> str | None:
+    """The ``redis-server`` binary: ``$AIOSEM_REDIS_SERVER``, else the one on ``PATH``."""
+    return os.environ.get("AIOSEM_REDIS_SERVER") or shutil.which("redis-server")
 
 
 class RedisServer:
@@ -23,6 +34,7 @@ class RedisServer:
         self.extra = extra
         self.host = "127.0.0.1"
         self.port = 0
+        self.version = ""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,19 +71,23 @@ class RedisServer:
         raise RuntimeError(f"redis-server would not start; see {self.directory}")
 
     def _wait_until_ready(self) -> bool:
+        """Wait for this process to answer; ``False`` if it died or another server holds the port."""
         assert self.process is not None
         deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                with socket.create_connection((self.host, self.port), timeout=1) as connection:
-                    connection.sendall(b"PING\r\n")
-                    if connection.recv(64).startswith(b"+PONG"):
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.02)
+        probe = redis.Redis(host=self.host, port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    return False
+                try:
+                    info = probe.info("server")
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+                    continue
+                self.version = str(info["redis_version"])
+                return int(info["process_id"]) == self.process.pid
+        finally:
+            probe.close()
         return False
 
     def stop(self) -> None:
@@ -87,13 +103,19 @@ class RedisServer:
                 self.process.wait(timeout=5)
         self.process = None
 
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def kill(self) -> None:
         """SIGKILL the server, as a crash would."""
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=5)
         self.process = None
-
 
 
 class FakeClock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -12,7 +12,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from aiosem import AcquireTimeout, AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost
-from tests.support import FakeClock
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tests.support import FakeClock
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
@@ -222,11 +226,9 @@ async def test_async_with_raises_permit_lost_when_the_lease_ran_out(
     assert caught.value.name == "sem"
 
 
-async def test_a_failing_body_is_not_masked_by_a_lost_permit(
-    make: Callable[..., Semaphore], clock: FakeClock
-) -> None:
+async def test_a_failing_body_is_not_masked_by_a_lost_permit(make: Callable[..., Semaphore], clock: FakeClock) -> None:
     sem = make(limit=1, timeout=10, clock=clock)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError):  # noqa: PT012 -- the permit is lost inside the body
         async with sem:
             clock.advance(11)
             raise KeyError("body")

@@ -1,0 +1,415 @@
+"""Throughput and acquire latency of aiosem's semaphores against a raw redis.asyncio floor.
+
+Each scenario runs ``permit = await sem.acquire(); await sem.release(permit)``
+in a loop, from 1 or 64 coroutines sharing one client, for a fixed time, and
+reports completed cycles per second and the p50/p99 time ``acquire`` took:
+
+* ``raw``: two EVALSHA round trips per cycle (a one-line ZADD script, then a
+  one-line ZREM script) -- the most any Redis-backed semaphore driven from
+  redis.asyncio can do, and the baseline every other row is divided by;
+* ``AsyncFairSemaphore`` and ``AsyncLockedSemaphore`` with limit 16, under
+  contention (64 coroutines) and uncontended (1 coroutine).
+
+The baseline is measured in the same run because on a small machine it moves
+20-40 % from one run to the next. The script also counts, with ``INFO
+commandstats``, how many EVALSHA calls one uncontended `AsyncFairSemaphore`
+cycle makes, and prints ``redis-benchmark``'s PING rate when that tool is
+installed, as the server's own ceiling.
+
+It starts a private ``redis-server`` (``$AIOSEM_REDIS_SERVER``, else the one on
+``PATH``) on a free loopback port, with no persistence, and stops it at the
+end; it never touches port 6379.
+
+Run it::
+
+    python benchmarks/bench_throughput.py                    # 3 s per scenario
+    python benchmarks/bench_throughput.py --duration 10 --json benchmarks/results/throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeVar
+
+import redis
+import redis.asyncio
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from tests.support import RedisServer, find_redis_server
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+HOST: Final = "127.0.0.1"
+#: Every scenario's semaphore has this many permits.
+LIMIT: Final = 16
+#: Enough for 64 coroutines that each hold at most one connection at a time;
+#: a bound, so that a leak shows up as waiting rather than as 1000 sockets.
+MAX_CONNECTIONS: Final = 128
+#: How long a coroutine may still be inside a cycle after the time is up.
+GRACE: Final = 10.0
+#: Uncontended cycles counted with INFO commandstats.
+COUNTED_CYCLES: Final = 1000
+
+# The raw floor does what the fair scripts do at the least: one write to a
+# sorted set per step, the identifier as member.
+RAW_ADD: Final = "return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])"
+RAW_REMOVE: Final = "return redis.call('ZREM', KEYS[1], ARGV[1])"
+
+Kind = Literal["raw", "fair", "locked"]
+
+#: (kind, coroutines), in the order they run.
+SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (
+    ("raw", 64),
+    ("fair", 64),
+    ("locked", 64),
+    ("raw", 1),
+    ("fair", 1),
+    ("locked", 1),
+)
+
+LABELS: Final[dict[Kind, str]] = {
+    "raw": "raw EVALSHA loop",
+    "fair": f"AsyncFairSemaphore (limit {LIMIT})",
+    "locked": f"AsyncLockedSemaphore (limit {LIMIT})",
+}
+
+T = TypeVar("T")
+
+
+class Cycler(Protocol[T]):
+    """Anything with the semaphores' acquire/release shape."""
+
+    async def acquire(self) -> T | None: ...
+
+    async def release(self, permit: T) -> object: ...
+
+
+class RawLoop:
+    """The floor: a semaphore's two round trips with none of its logic."""
+
+    __slots__ = ("_add", "_client", "_key", "_remove")
+
+    def __init__(self, client: redis.asyncio.Redis, key: str, add: str, remove: str) -> None:
+        self._client = client
+        self._key = key
+        self._add = add
+        self._remove = remove
+
+    @classmethod
+    async def load(cls, client: redis.asyncio.Redis, key: str) -> RawLoop:
+        add = await client.script_load(RAW_ADD)
+        remove = await client.script_load(RAW_REMOVE)
+        return cls(client, key, str(add), str(remove))
+
+    async def acquire(self) -> str:
+        # A fresh identifier per cycle, as the semaphores make, so that 64
+        # coroutines never remove each other's members.
+        identifier = secrets.token_hex(16)
+        await self._client.evalsha(self._add, 1, self._key, time.time(), identifier)
+        return identifier
+
+    async def release(self, permit: str) -> object:
+        return await self._client.evalsha(self._remove, 1, self._key, permit)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    cycles: int
+    seconds: float
+    latencies: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioResult:
+    scenario: str
+    kind: Kind
+    coroutines: int
+    limit: int | None
+    cycles: int
+    seconds: float
+    cycles_per_second: float
+    acquire_p50_ms: float
+    acquire_p99_ms: float
+    #: cycles/s over the raw loop's with as many coroutines, in this run.
+    ratio_to_raw: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandCount:
+    cycles: int
+    evalsha_per_cycle: float
+    eval_per_cycle: float
+
+
+# --- the server ------------------------------------------------------------
+
+
+def redis_benchmark_ping(port: int) -> dict[str, float] | None:
+    """``redis-benchmark``'s PING rates (requests/s) by test name, or None without the tool."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        return None
+    command = [binary, "-h", HOST, "-p", str(port), "-q", "-t", "ping", "-n", "100000", "-P", "1"]
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    except (subprocess.SubprocessError, OSError) as error:
+        print(f"redis-benchmark failed, skipped: {error}", file=sys.stderr)
+        return None
+    # -q still writes progress lines, separated by carriage returns.
+    rates = {
+        match[1]: float(match[2])
+        for match in re.finditer(r"^(PING_\w+): ([\d.]+) requests per second", completed.stdout, re.MULTILINE)
+    }
+    return rates or None
+
+
+# --- the measurements ----------------------------------------------------------
+
+
+def new_client(port: int) -> redis.asyncio.Redis:
+    pool = redis.asyncio.BlockingConnectionPool(host=HOST, port=port, max_connections=MAX_CONNECTIONS, timeout=GRACE)
+    return redis.asyncio.Redis.from_pool(pool)
+
+
+async def worker(cycler: Cycler[T], stop_at: float, latencies: list[float]) -> int:
+    cycles = 0
+    while time.perf_counter() < stop_at:
+        started = time.perf_counter()
+        permit = await cycler.acquire()
+        latencies.append(time.perf_counter() - started)
+        if permit is None:
+            raise RuntimeError("acquire gave up although it was asked to wait for ever")
+        await cycler.release(permit)
+        cycles += 1
+    return cycles
+
+
+async def run_phase(cycler: Cycler[T], coroutines: int, seconds: float) -> Phase:
+    latencies: list[float] = []
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(worker(cycler, start + seconds, latencies)) for _ in range(coroutines)]
+    _, pending = await asyncio.wait(tasks, timeout=seconds + GRACE)
+    # Cycles that finish after the deadline count, so the time they took does too.
+    elapsed = time.perf_counter() - start
+    if pending:
+        for task in pending:
+            task.cancel()
+        # The semaphores give back a cancelled acquire's permit, shielded but bounded.
+        await asyncio.wait(pending, timeout=GRACE)
+        raise RuntimeError(f"{len(pending)} of {coroutines} coroutines were still in a cycle {GRACE:g} s after the end")
+    cycles = sum(task.result() for task in tasks)
+    return Phase(cycles, elapsed, latencies)
+
+
+def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile: a value that was actually observed."""
+    if not sorted_values:
+        return math.nan
+    return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
+
+
+async def measure(cycler: Cycler[T], kind: Kind, coroutines: int, duration: float, warmup: float) -> ScenarioResult:
+    if warmup > 0:
+        # Opens the pool's connections and loads the scripts (a first EVALSHA
+        # gets NOSCRIPT), neither of which is what a steady state costs.
+        await run_phase(cycler, coroutines, warmup)
+    phase = await run_phase(cycler, coroutines, duration)
+    latencies = sorted(phase.latencies)
+    return ScenarioResult(
+        scenario=LABELS[kind],
+        kind=kind,
+        coroutines=coroutines,
+        limit=None if kind == "raw" else LIMIT,
+        cycles=phase.cycles,
+        seconds=round(phase.seconds, 3),
+        cycles_per_second=round(phase.cycles / phase.seconds, 1),
+        acquire_p50_ms=round(percentile(latencies, 0.50) * 1000, 3),
+        acquire_p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
+    )
+
+
+async def run_scenario(port: int, kind: Kind, coroutines: int, duration: float, warmup: float) -> ScenarioResult:
+    # A client and a semaphore name of its own, so no scenario inherits
+    # another's connections or leftover permits.
+    name = f"bench-{kind}-{coroutines}"
+    client = new_client(port)
+    try:
+        if kind == "raw":
+            raw = await RawLoop.load(client, f"bench:{{{name}}}")
+            return await measure(raw, kind, coroutines, duration, warmup)
+        if kind == "fair":
+            return await measure(AsyncFairSemaphore(client, name, LIMIT), kind, coroutines, duration, warmup)
+        return await measure(AsyncLockedSemaphore(client, name, LIMIT), kind, coroutines, duration, warmup)
+    finally:
+        await client.aclose()
+
+
+async def sequential_cycles(cycler: Cycler[T], cycles: int) -> None:
+    for _ in range(cycles):
+        permit = await cycler.acquire()
+        if permit is None:
+            raise RuntimeError("an uncontended acquire failed")
+        await cycler.release(permit)
+
+
+async def count_fair_round_trips(port: int, cycles: int = COUNTED_CYCLES) -> CommandCount:
+    """EVALSHA (and EVAL) calls per uncontended `AsyncFairSemaphore` cycle, from INFO commandstats."""
+    client = new_client(port)
+    try:
+        semaphore = AsyncFairSemaphore(client, "bench-commandstats", LIMIT)
+        # Loads the scripts first, so a NOSCRIPT fallback is not counted as a per-cycle cost.
+        await asyncio.wait_for(sequential_cycles(semaphore, 10), timeout=GRACE)
+        before = await client.info("commandstats")
+        await asyncio.wait_for(sequential_cycles(semaphore, cycles), timeout=GRACE + cycles * 0.01)
+        after = await client.info("commandstats")
+    finally:
+        await client.aclose()
+
+    def calls(command: str) -> int:
+        key = f"cmdstat_{command}"
+        return int(after.get(key, {}).get("calls", 0)) - int(before.get(key, {}).get("calls", 0))
+
+    return CommandCount(cycles, calls("evalsha") / cycles, calls("eval") / cycles)
+
+
+async def run_all(port: int, duration: float, warmup: float) -> tuple[list[ScenarioResult], CommandCount]:
+    results: list[ScenarioResult] = []
+    for kind, coroutines in SCENARIOS:
+        print(f"  {LABELS[kind]}, {coroutines} coroutine(s) ...", file=sys.stderr, flush=True)
+        results.append(await run_scenario(port, kind, coroutines, duration, warmup))
+    raw_rates = {result.coroutines: result.cycles_per_second for result in results if result.kind == "raw"}
+    results = [
+        replace(result, ratio_to_raw=round(result.cycles_per_second / raw_rates[result.coroutines], 3))
+        if raw_rates.get(result.coroutines)
+        else result
+        for result in results
+    ]
+    return results, await count_fair_round_trips(port)
+
+
+# --- the report ------------------------------------------------------------
+
+
+def markdown_table(results: Sequence[ScenarioResult]) -> str:
+    header = ("scenario", "coroutines", "cycles/s", "vs raw", "acquire p50 ms", "acquire p99 ms")
+    rows = [
+        (
+            result.scenario,
+            str(result.coroutines),
+            f"{result.cycles_per_second:,.0f}",
+            "n/a" if result.ratio_to_raw is None else f"{result.ratio_to_raw:.2f}",
+            f"{result.acquire_p50_ms:.3f}",
+            f"{result.acquire_p99_ms:.3f}",
+        )
+        for result in results
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (width + 1) + (":" if i else "-") for i, width in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be zero or a positive number of seconds, got {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--duration", type=positive, default=3.0, help="seconds measured per scenario (default 3)")
+    parser.add_argument(
+        "--warmup", type=non_negative, default=0.5, help="unmeasured seconds before each scenario (default 0.5)"
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    args = parser.parse_args(argv)
+
+    binary = find_redis_server()
+    if binary is None:
+        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    with (
+        tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
+        RedisServer(binary, Path(directory)) as server,
+    ):
+        print(f"redis-server {server.version} on {server.host}:{server.port}", file=sys.stderr)
+        # First, while the server is idle: the PING rate is the server's ceiling, not ours.
+        ping = redis_benchmark_ping(server.port)
+        results, commands = asyncio.run(run_all(server.port, args.duration, args.warmup))
+
+    print()
+    print(markdown_table(results))
+    print()
+    if ping is None:
+        print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
+    else:
+        print("redis-benchmark PING: " + ", ".join(f"{name} {rate:,.0f} requests/s" for name, rate in ping.items()))
+    print(
+        f"AsyncFairSemaphore, uncontended: {commands.evalsha_per_cycle:g} EVALSHA "
+        f"(+ {commands.eval_per_cycle:g} EVAL) per acquire+release, over {commands.cycles} cycles"
+    )
+
+    if args.json is not None:
+        report = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "aiosem": package_version("aiosem"),
+            "redis_py": redis.__version__,
+            "hiredis": package_version("hiredis"),
+            "redis_server": server.version,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "limit": LIMIT,
+            "redis_benchmark_ping": ping,
+            "fair_commands_per_cycle": asdict(commands),
+            "scenarios": [asdict(result) for result in results],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

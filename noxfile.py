@@ -1,0 +1,49 @@
+"""Development sessions: ``nox -s tests lint typecheck docs``, and ``nox -s bench``."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+#: The oldest redis-py aiosem supports (pyproject's lower bound) and the newest.
+REDIS_PY = {"oldest": "redis[hiredis]==5.3.0", "latest": "redis[hiredis]"}
+
+
+@nox.session
+@nox.parametrize("redis", list(REDIS_PY))
+def tests(session: nox.Session, redis: str) -> None:
+    """The test suite, with the oldest and the newest redis-py."""
+    session.install("-e", ".[test]", REDIS_PY[redis])
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("-e", ".[test,typecheck]")
+    session.run("mypy", "--strict")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    session.install("-e", ".[docs]")
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site", env={"NO_MKDOCS_2_WARNING": "1"}
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Throughput and latency against a raw redis.asyncio floor, measured in one run."""
+    session.install("-e", ".")
+    session.run(
+        "python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json", *session.posargs
+    )

@@ -1,0 +1,41 @@
+"""Many processes contend for one limit on a real server: it is never exceeded.
+
+Four worker processes of 40 coroutines each loop for 5 s: take a permit,
+increment a shared in-use counter in Redis, hold for a moment, decrement,
+release (the ``python -m aiosem demo`` workers). The counter is only touched
+under a permit, so a reading above the limit is an over-admission.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from aiosem._demo import KINDS, Config, Kind, run
+from tests.support import RedisServer
+
+pytestmark = pytest.mark.slow
+
+LOCKS = ("recipe-lock", "recipe-lock-with-timeout")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_limit_holds_across_processes(redis_server: RedisServer, kind: Kind) -> None:
+    limit = 1 if kind in LOCKS else 3
+    config = Config(
+        url=redis_server.url,
+        kind=kind,
+        name=f"contention-{kind}-{secrets.token_hex(4)}",
+        limit=limit,
+        workers=4,
+        coroutines=40,
+        duration=5.0,
+        hold=0.002,
+    )
+    result = run(config)
+    print(f"{kind}: {result.grants} grants, peak {result.peak}/{limit}, {result.over_limit} over the limit")
+    assert result.over_limit == 0
+    assert result.peak == limit  # the limit was reached, so it was really contended
+    assert result.grants >= 100

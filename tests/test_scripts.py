@@ -1,0 +1,89 @@
+"""Scripts are loaded once and reloaded when the server forgets them; no Lua is needed by the locked class."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis.asyncio
+from redis.exceptions import NoPermissionError
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, recipes
+from tests.support import RedisServer
+
+
+async def test_a_flushed_script_cache_is_reloaded(client: redis.asyncio.Redis) -> None:
+    sem = AsyncFairSemaphore(client, "reload", 1)
+    first = await sem.acquire()
+    assert first is not None
+    await client.script_flush()
+    assert await sem.release(first)
+    assert await sem.acquire() is not None
+
+
+async def test_recipes_reload_a_flushed_script_cache(client: redis.asyncio.Redis) -> None:
+    identifier = await recipes.acquire_fair_semaphore(client, "reload", 1)
+    assert identifier is not None
+    await client.script_flush()
+    assert await recipes.release_fair_semaphore(client, "reload", identifier)
+
+
+@pytest.fixture
+async def no_scripting_client(fresh_redis_server: RedisServer) -> redis.asyncio.Redis:
+    admin = fresh_redis_server.client()
+    await admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "+@all", "-@scripting")
+    await admin.aclose()
+    return fresh_redis_server.client(username="worker", password="secret")
+
+
+async def test_the_fair_semaphore_needs_scripting(no_scripting_client: redis.asyncio.Redis) -> None:
+    sem = AsyncFairSemaphore(no_scripting_client, "acl", 1)
+    with pytest.raises(NoPermissionError):
+        await sem.acquire()
+    await no_scripting_client.aclose()
+
+
+async def test_the_locked_semaphore_works_where_scripting_is_forbidden(
+    no_scripting_client: redis.asyncio.Redis,
+) -> None:
+    sem = AsyncLockedSemaphore(no_scripting_client, "acl", 1)
+    async with sem as permit:
+        assert await sem.count() == 1
+        assert await sem.refresh(permit)
+        assert await sem.acquire(blocking=False) is None
+    assert await sem.count() == 0
+    await no_scripting_client.aclose()
+
+
+def test_the_locked_semaphore_works_on_fakeredis_without_lupa() -> None:
+    # fakeredis decides at import whether it can run Lua, so hide lupa from a
+    # fresh interpreter before it imports fakeredis.
+    program = textwrap.dedent(
+        """
+        import asyncio, sys
+        sys.modules["lupa"] = None
+        import fakeredis
+        from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+
+        async def main():
+            client = fakeredis.FakeAsyncRedis()
+            try:
+                await AsyncFairSemaphore(client, "s", 1).acquire()
+            except Exception as error:
+                print("fair:", type(error).__name__)
+            sem = AsyncLockedSemaphore(client, "s", 1)
+            async with sem as permit:
+                assert await sem.acquire(blocking=False) is None
+                assert await sem.refresh(permit)
+            print("locked: ok", await sem.count())
+
+        asyncio.run(main())
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "locked: ok 0" in completed.stdout
+    assert "fair: " in completed.stdout
