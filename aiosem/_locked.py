@@ -99,15 +99,17 @@ class AsyncLockedSemaphore(_Semaphore):
         ]
         if now is None:
             reads.append(("TIME",))
-        locked = False
+        # Until a reply says otherwise, the lock may be ours: a compare-and-delete
+        # with our own owner value is safe even if the SET never happened.
+        locked = True
         committed: Any = None
         try:
             async with pinned_connection(self._client) as connection:
                 replies = await connection.batch(*reads)
                 if replies[0] is None:
+                    locked = False
                     await connection.batch(("UNWATCH",))
                     return None
-                locked = True
                 plan = _Plan(
                     connection,
                     keys,

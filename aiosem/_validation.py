@@ -7,7 +7,11 @@ the argument, and returns the value in the form the caller stores.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Final
+
+#: The longest duration accepted: Redis keeps millisecond TTLs in 64 bits,
+#: and no lease or lock is meant to outlive its application.
+LONGEST: Final = 1e9
 
 
 def check_name(value: Any, argument: str = "name") -> str:
@@ -39,6 +43,8 @@ def check_timeout(value: Any, argument: str = "timeout") -> float:
     seconds = _check_number(value, argument)
     if seconds <= 0 or math.isinf(seconds):
         raise ValueError(f"{argument} must be a positive, finite number of seconds, got {value}")
+    if seconds > LONGEST:
+        raise ValueError(f"{argument} must be at most {LONGEST:g} seconds, got {value}")
     return seconds
 
 

@@ -9,11 +9,14 @@ under a permit, so a reading above the limit is an over-admission.
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
 import pytest
 
 from aiosem._demo import KINDS, Config, Kind, run
-from tests.support import RedisServer
+
+if TYPE_CHECKING:
+    from tests.support import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +38,6 @@ def test_the_limit_holds_across_processes(redis_server: RedisServer, kind: Kind)
         hold=0.002,
     )
     result = run(config)
-    print(f"{kind}: {result.grants} grants, peak {result.peak}/{limit}, {result.over_limit} over the limit")
     assert result.over_limit == 0
     assert result.peak == limit  # the limit was reached, so it was really contended
     assert result.grants >= 100

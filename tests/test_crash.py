@@ -6,13 +6,17 @@ import asyncio
 import signal
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
-import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from tests.support import RedisServer
 
 LEASE = 1.0
 

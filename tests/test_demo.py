@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import pytest
 
 from aiosem.__main__ import main, redact
-from tests.support import RedisServer
+
+if TYPE_CHECKING:
+    from tests.support import RedisServer
 
 pytestmark = pytest.mark.slow
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
+
+if TYPE_CHECKING:
+    from tests.support import RedisServer
 
 
 class CountingConnection(redis.asyncio.Connection):

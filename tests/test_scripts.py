@@ -5,13 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 import pytest
-import redis.asyncio
 from redis.exceptions import NoPermissionError
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, recipes
-from tests.support import RedisServer
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from tests.support import RedisServer
 
 
 async def test_a_flushed_script_cache_is_reloaded(client: redis.asyncio.Redis) -> None:
@@ -35,7 +39,7 @@ async def no_scripting_client(fresh_redis_server: RedisServer) -> redis.asyncio.
     admin = fresh_redis_server.client()
     await admin.execute_command("ACL", "SETUSER", "worker", "on", ">secret", "~*", "+@all", "-@scripting")
     await admin.aclose()
-    return fresh_redis_server.client(username="worker", password="secret")
+    return fresh_redis_server.client(username="worker", password="secret")  # noqa: S106 -- a test server's user
 
 
 async def test_the_fair_semaphore_needs_scripting(no_scripting_client: redis.asyncio.Redis) -> None:
@@ -82,8 +86,6 @@ def test_the_locked_semaphore_works_on_fakeredis_without_lupa() -> None:
         asyncio.run(main())
         """
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
-    )
+    completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True)
     assert "locked: ok 0" in completed.stdout
     assert "fair: " in completed.stdout

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fakeredis
 import pytest
-import redis.asyncio
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,6 +29,11 @@ from hypothesis.stateful import (
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit
 from tests.support import FakeClock, RedisServer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+    import redis.asyncio
 
 LEASE = 10.0
 T = TypeVar("T")
