@@ -38,6 +38,10 @@ Operation = Literal["acquire", "release", "refresh"]
 _CLEANUP_TIMEOUT: Final = 5.0
 
 
+#: The longest pause between tries of a step that has to happen.
+_MUST_STEP_PAUSE: Final = 0.005
+
+
 class _Default(enum.Enum):
     token = 0
 
@@ -162,7 +166,9 @@ class _Semaphore(ABC):
         # A step that has to happen (release, refresh, count) may wait out a
         # busy lock for as long as a lease: by then the answer is moot.
         deadline = Deadline(self._timeout)
-        backoff = Backoff()
+        # A busy lock is held for a round trip or two; a release that backed
+        # off as far as a waiting acquire would lose it to every poller.
+        backoff = Backoff(longest=_MUST_STEP_PAUSE)
         while (reply := await self._execute(operation, identifiers)) is None:
             if deadline.passed():
                 raise SemaphoreError(

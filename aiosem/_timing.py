@@ -32,20 +32,21 @@ class Deadline:
 class Backoff:
     """Exponential back-off with jitter for polling loops.
 
-    Pauses double from 1 ms to at most 50 ms, and each is drawn uniformly
-    from its upper half so that pollers started together drift apart: no hot
-    loop, and no herd arriving in step.
+    Pauses double from 1 ms to at most ``longest`` (50 ms unless told), and
+    each is drawn uniformly from its upper half so that pollers started
+    together drift apart: no hot loop, and no herd arriving in step.
     """
 
-    __slots__ = ("_ceiling",)
+    __slots__ = ("_ceiling", "_longest")
 
-    def __init__(self) -> None:
+    def __init__(self, longest: float = _LONGEST_PAUSE) -> None:
         self._ceiling = _FIRST_PAUSE
+        self._longest = longest
 
     async def pause(self, deadline: Deadline, *, wake_by: float | None = None) -> None:
         """Sleep for the next pause, cut short by ``deadline`` and ``wake_by`` seconds."""
         pause = random.uniform(self._ceiling / 2, self._ceiling)  # noqa: S311 -- jitter, not secrets
-        self._ceiling = min(self._ceiling * 2, _LONGEST_PAUSE)
+        self._ceiling = min(self._ceiling * 2, self._longest)
         if wake_by is not None:
             pause = min(pause, wake_by)
         remaining = deadline.remaining()
