@@ -204,6 +204,7 @@ class _Semaphore(ABC):
             The `Permit`, or ``None`` if none could be had in time.
 
         Raises:
+            TypeError: ``blocking_timeout`` is not a number.
             ValueError: ``blocking_timeout`` is negative or NaN.
             redis.RedisError: Redis failed or could not be reached.
 
@@ -323,6 +324,10 @@ class _Semaphore(ABC):
                 before the release: the body may have overlapped with another
                 holder. (If the body raised, its exception propagates and the
                 loss is logged instead.)
+            TimeoutError: The release took longer than 5 s although the body
+                completed; the permit ends with its lease.
+            SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
+                for a whole lease.
             redis.RedisError: The release failed although the body completed.
         """
         held = _held.get()
