@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ._coordination import text
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import Operation, Reply, _Semaphore
 
@@ -24,6 +25,19 @@ def format_now(now: float | None) -> str:
     return "" if now is None else repr(now)
 
 
+def parse_reply(raw: Sequence[Any], count: int) -> Reply:
+    """Read the reply every fair step returns (see ``lua/_prelude.lua``)."""
+    next_expiry = int(raw[2])
+    handed = raw[3 + count :]
+    return Reply(
+        holders=int(raw[0]),
+        waiting=int(raw[1]),
+        next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
+        values=tuple(int(value) for value in raw[3 : 3 + count]),
+        granted=tuple((text(handed[i]), int(handed[i + 1])) for i in range(0, len(handed), 2)),
+    )
+
+
 async def fair_step(
     client: Redis,
     operation: Operation,
@@ -32,20 +46,24 @@ async def fair_step(
     *,
     now: float | None,
     lease: float,
-    limit: int,
+    limit: int | None,
+    waiter_ttl: float,
+    caller: str = "",
+    mode: str = "",
 ) -> Reply:
     """Run one fair-semaphore script; shared by the class and the recipes."""
-    args: list[str | int] = [format_now(now), repr(lease)]
-    if operation == "acquire":
-        args.append(limit)
-    args.extend(identifiers)
+    args = [
+        format_now(now),
+        repr(lease),
+        "" if limit is None else str(limit),
+        repr(waiter_ttl),
+        caller,
+        keys.channels,
+        mode,
+        *identifiers,
+    ]
     raw = await _SCRIPTS[operation].run(client, keys.fair, args)
-    next_expiry = int(raw[1])
-    return Reply(
-        holders=int(raw[0]),
-        next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
-        values=tuple(int(value) for value in raw[2:]),
-    )
+    return parse_reply(raw, len(identifiers))
 
 
 class AsyncFairSemaphore(_Semaphore):
@@ -61,8 +79,11 @@ class AsyncFairSemaphore(_Semaphore):
 
     Grants, releases and refreshes are each one atomic script on the
     server's clock, so no race between clients and no client's clock can
-    push it over its limit. The data is laid out as in *Redis in Action*
-    (see `aiosem.recipes`), and each permit carries a fencing token.
+    push it over its limit. Blocked acquirers queue in Redis in arrival
+    order, across all processes; the script that frees a permit hands it to
+    the head of the queue in the same step and wakes that waiter's process
+    with one message. The data is laid out as in *Redis in Action* (see
+    `aiosem.recipes`), and each permit carries a fencing token.
 
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows it.
@@ -77,6 +98,10 @@ class AsyncFairSemaphore(_Semaphore):
         clock: Read the time here instead of on the Redis server, e.g.
             ``time.time`` for a server that forbids ``TIME`` in scripts (then
             every client's clock must agree), or a fake clock in tests.
+        waiter_timeout: How long a queued waiter whose process stopped
+            answering keeps its place, in seconds (at most ``timeout``;
+            default: the smaller of 2 s and ``timeout``). Each process proves
+            its waiters alive three times per ``waiter_timeout``.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -85,7 +110,7 @@ class AsyncFairSemaphore(_Semaphore):
 
     __slots__ = ()
 
-    async def _execute(self, operation: Operation, identifiers: Sequence[str]) -> Reply:
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply:
         return await fair_step(
             self._client,
             operation,
@@ -94,4 +119,7 @@ class AsyncFairSemaphore(_Semaphore):
             now=self._now(),
             lease=self._timeout,
             limit=self._limit,
+            waiter_ttl=self._waiter_ttl,
+            caller=self._process,
+            mode=mode,
         )

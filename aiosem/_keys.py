@@ -7,14 +7,18 @@ a key and the first ``}`` after it, so a name containing braces could move or
 cancel the tag: names are escaped so that each yields exactly one non-empty
 tag, and prefixes may not contain braces at all.
 
-The layout under the base key ``prefix:{name}`` is the book's, so a client
-written from *Redis in Action* can share a semaphore by using the base key as
-its ``semname``:
+The layout under the base key ``prefix:{name}`` extends the book's, so a
+client written from *Redis in Action* can share a semaphore by using the
+base key as its ``semname``:
 
 =============================  ===========================================
 ``prefix:{name}``              timeout set: identifier -> grant time (s)
 ``prefix:{name}:owner``        owner set: identifier -> fencing token
-``prefix:{name}:counter``      the last fencing token; never expires
+``prefix:{name}:counter``      the last fencing token or ticket; never expires
+``prefix:{name}:queue``        waiters: identifier -> ticket (arrival order)
+``prefix:{name}:waiters``      waiters: identifier -> presumed dead at (s)
+``prefix:{name}:cancelled``    tombstones: identifier -> refused until (s)
+``prefix:{name}:wake:<token>`` the channel of one process's waiters
 ``lock:prefix:{name}``         the short lock of `AsyncLockedSemaphore`
 =============================  ===========================================
 """
@@ -63,10 +67,27 @@ class SemaphoreKeys:
         return f"{self.base}:counter"
 
     @property
+    def queue(self) -> str:
+        return f"{self.base}:queue"
+
+    @property
+    def waiters(self) -> str:
+        return f"{self.base}:waiters"
+
+    @property
+    def cancelled(self) -> str:
+        return f"{self.base}:cancelled"
+
+    @property
+    def channels(self) -> str:
+        """The prefix of the wake-up channels; a process's channel is this plus its token."""
+        return f"{self.base}:wake:"
+
+    @property
     def lock(self) -> str:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str]:
+    def fair(self) -> tuple[str, str, str, str, str, str]:
         """The keys every fair script takes, in order."""
-        return (self.timeout_set, self.owner_set, self.counter)
+        return (self.timeout_set, self.owner_set, self.counter, self.queue, self.waiters, self.cancelled)

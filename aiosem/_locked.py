@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 from typing import TYPE_CHECKING, Any, Final
 
@@ -59,6 +60,8 @@ class AsyncLockedSemaphore(_Semaphore):
         prefix: The first part of every key (no braces).
         clock: Read the time here instead of on the Redis server (see
             `AsyncFairSemaphore`).
+        waiter_timeout: How long a queued waiter whose process stopped
+            answering keeps its place (see `AsyncFairSemaphore`).
         lock_timeout: How long the step lock lives if its holder dies
             mid-step, in seconds: the longest a crash can stall the others.
 
@@ -79,24 +82,42 @@ class AsyncLockedSemaphore(_Semaphore):
         blocking_timeout: float | None = None,
         prefix: str = "aiosem",
         clock: Callable[[], float] | None = None,
+        waiter_timeout: float | None = None,
         lock_timeout: float = 1.0,
     ) -> None:
         super().__init__(
-            client, name, limit, timeout=timeout, blocking_timeout=blocking_timeout, prefix=prefix, clock=clock
+            client,
+            name,
+            limit,
+            timeout=timeout,
+            blocking_timeout=blocking_timeout,
+            prefix=prefix,
+            clock=clock,
+            waiter_timeout=waiter_timeout,
         )
         self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
 
-    async def _execute(self, operation: Operation, identifiers: Sequence[str]) -> Reply | None:
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
         keys = self._keys
         owner = secrets.token_hex(16)
         now = self._now()
+        members = [identifier.encode() for identifier in identifiers]
+        # The queue is read only as far as a step can reach: its head, its
+        # earliest presumed deaths, and the step's own identifiers.
+        window = self._limit + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             ("SET", keys.lock, owner, "NX", "PX", self._lock_ms),
             ("WATCH", keys.lock, *keys.fair),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
+            ("ZRANGE", keys.queue, 0, window - 1, "WITHSCORES"),
+            ("ZCARD", keys.queue),
+            ("ZRANGE", keys.waiters, 0, window - 1, "WITHSCORES"),
         ]
+        reads.extend(
+            ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
+        )
         if now is None:
             reads.append(("TIME",))
         # Until a reply says otherwise, the lock may be ours: a compare-and-delete
@@ -110,16 +131,30 @@ class AsyncLockedSemaphore(_Semaphore):
                     locked = False
                     await connection.batch(("UNWATCH",))
                     return None
+                now = _parse_time(replies[11]) if now is None else now
+
+                def scores(reply: Any) -> dict[bytes, float]:
+                    pairs = zip(members, reply if members else (), strict=True)
+                    return {member: float(score) for member, score in pairs if score is not None}
+
                 plan = _Plan(
-                    connection,
                     keys,
-                    now=_parse_time(replies[5]) if now is None else now,
+                    now=now,
                     lease=self._timeout,
-                    leases=_parse_zset(replies[2]),
-                    owners=_parse_zset(replies[3]),
+                    limit=self._limit,
+                    waiter_ttl=self._waiter_ttl,
+                    caller=self._process,
+                    leases=_parse_zset(connection, replies[2]),
+                    owners=_parse_zset(connection, replies[3]),
                     counter=int(replies[4] or 0),
+                    queue_head=_parse_zset(connection, replies[5]),
+                    queue_size=int(replies[6]),
+                    earliest_deaths=_parse_zset(connection, replies[7]),
+                    queued=scores(replies[8]),
+                    alive_until=scores(replies[9]),
+                    cancelled={member for member, until in scores(replies[10]).items() if until > now},
                 )
-                reply = plan.run(operation, identifiers, self._limit)
+                reply = plan.run(operation, mode, members)
                 committed = (await connection.batch(("MULTI",), *plan.writes, ("DEL", keys.lock), ("EXEC",)))[-1]
                 locked = committed is None
         finally:
@@ -147,91 +182,198 @@ class _Plan:
     """The writes of one step, decided from what was read under WATCH.
 
     It follows the fair scripts in ``aiosem/lua`` decision for decision, so
-    both classes behave identically on the same data.
+    both classes behave identically on the same data. Of the queue it knows
+    the head, its size, the earliest presumed deaths and the step's own
+    identifiers: all a step can act on.
     """
-
-    __slots__ = ("_connection", "_counter", "_keys", "_lease", "_leases", "_now", "_owners", "writes")
 
     def __init__(
         self,
-        connection: PinnedConnection,
         keys: SemaphoreKeys,
         *,
         now: float,
         lease: float,
-        leases: dict[Any, float],
-        owners: dict[Any, float],
+        limit: int,
+        waiter_ttl: float,
+        caller: str,
+        leases: dict[bytes, float],
+        owners: dict[bytes, float],
         counter: int,
+        queue_head: dict[bytes, float],
+        queue_size: int,
+        earliest_deaths: dict[bytes, float],
+        queued: dict[bytes, float],
+        alive_until: dict[bytes, float],
+        cancelled: set[bytes],
     ) -> None:
-        self._connection = connection
-        self._keys = keys
-        self._now = now
-        self._lease = lease
-        self._counter = counter
+        self.keys = keys
+        self.now = now
+        self.lease = lease
+        self.limit = limit
+        self.waiter_ttl = waiter_ttl
+        self.caller = caller.encode()
+        self.initial_counter = self.counter = counter
+        self.cancelled = cancelled
         self.writes: list[Command] = []
-        leases = {connection.encode(member): score for member, score in leases.items()}
-        owners = {connection.encode(member): score for member, score in owners.items()}
+        self.granted: list[tuple[str, int]] = []
         cutoff = now - lease
         dead = {member for member, score in leases.items() if score <= cutoff}
         leases = {member: score for member, score in leases.items() if member not in dead}
         owners = {member: score for member, score in owners.items() if member not in dead}
         strays = leases.keys() ^ owners.keys()
-        if strays:
-            dead |= strays
-            leases = {member: score for member, score in leases.items() if member not in strays}
-            owners = {member: score for member, score in owners.items() if member not in strays}
+        dead |= strays
+        self.leases = {member: score for member, score in leases.items() if member not in strays}
+        self.owners = {member: int(score) for member, score in owners.items() if member not in strays}
         if dead:
-            self.writes.append(("ZREM", keys.timeout_set, *dead))
-            self.writes.append(("ZREM", keys.owner_set, *dead))
-        self._leases = leases
-        self._owners = owners
+            self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
+        gone = {member for member, until in (*earliest_deaths.items(), *alive_until.items()) if until <= now}
+        if gone:
+            self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
+        self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(now)))
+        self.queue_size = queue_size - len(gone)
+        self.heads = [member for member, _ in sorted(queue_head.items(), key=_by_score) if member not in gone]
+        self.queued = {member for member in queued if member not in gone}
 
-    def run(self, operation: Operation, identifiers: Sequence[str], limit: int) -> Reply:
-        keys, stamp = self._keys, f"{self._now:.6f}"
-        values: list[int] = []
-        first_token = self._counter + 1
-        for identifier in identifiers:
-            member = identifier.encode()
-            held = member in self._owners
-            if operation == "acquire":
-                if held:
-                    self.writes.append(("ZADD", keys.timeout_set, "XX", stamp, member))
-                elif len(self._owners) < limit:
-                    self._counter += 1
-                    self._owners[member] = self._counter
-                    self.writes.append(("ZADD", keys.owner_set, self._counter, member))
-                    self.writes.append(("ZADD", keys.timeout_set, stamp, member))
-                else:
-                    values.append(0)
-                    continue
-                self._leases[member] = self._now
-                values.append(int(self._owners[member]))
-            elif operation == "release":
-                if held:
-                    del self._owners[member], self._leases[member]
-                    self.writes.append(("ZREM", keys.owner_set, member))
-                    self.writes.append(("ZREM", keys.timeout_set, member))
-                values.append(int(held))
-            else:
-                if held:
-                    self._leases[member] = self._now
-                    self.writes.append(("ZADD", keys.timeout_set, "XX", stamp, member))
-                values.append(int(held))
-        if self._counter >= first_token:
-            self.writes.insert(0, ("INCRBY", keys.counter, self._counter - first_token + 1))
-        earliest = min(self._leases.values(), default=None)
+    def run(self, operation: Operation, mode: str, members: Sequence[bytes]) -> Reply:
+        act = {"acquire": self._acquire, "release": self._release, "refresh": self._refresh}[operation]
+        if operation == "acquire":
+            self._hand_off()
+        values = [act(member, mode) for member in members]
+        if operation != "acquire":
+            self._hand_off()
+        keys = self.keys
+        if self.counter > self.initial_counter:
+            self.writes.insert(0, ("INCRBY", keys.counter, self.counter - self.initial_counter))
+        lease_ms = math.ceil(self.lease * 1000) + 1000
+        waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
+        self.writes += [
+            ("PEXPIRE", keys.timeout_set, lease_ms),
+            ("PEXPIRE", keys.owner_set, lease_ms),
+            ("PEXPIRE", keys.queue, waiter_ms),
+            ("PEXPIRE", keys.waiters, waiter_ms),
+        ]
+        earliest = min(self.leases.values(), default=None)
         return Reply(
-            holders=len(self._owners),
-            next_expiry=None if earliest is None else max(0.0, earliest + self._lease - self._now),
+            holders=len(self.owners),
+            waiting=self.queue_size,
+            next_expiry=None if earliest is None else max(0.0, earliest + self.lease - self.now),
             values=tuple(values),
+            granted=tuple(self.granted),
         )
 
+    def _grant(self, member: bytes, stamp: float) -> int:
+        self.counter += 1
+        self.owners[member] = self.counter
+        self.leases[member] = stamp
+        self.writes += [
+            ("ZADD", self.keys.owner_set, self.counter, member),
+            ("ZADD", self.keys.timeout_set, _seconds(stamp), member),
+        ]
+        return self.counter
 
-def _parse_zset(reply: list[Any]) -> dict[Any, float]:
+    def _leave_queue(self, members: Sequence[bytes]) -> None:
+        self.queue_size -= len(members)
+        self.queued.difference_update(members)
+        self.writes += [("ZREM", self.keys.queue, *members), ("ZREM", self.keys.waiters, *members)]
+
+    def _hand_off(self) -> None:
+        free = self.limit - len(self.owners)
+        heads, self.heads = self.heads[: max(0, free)], self.heads[max(0, free) :]
+        messages: dict[bytes, list[str]] = {}
+        for member in heads:
+            owner = _owner(member)
+            stamp = self.now
+            if owner != self.caller:
+                stamp = self.now - self.lease + min(self.waiter_ttl, self.lease)
+            token = self._grant(member, stamp)
+            identifier = member.decode()
+            if owner is not None and owner != self.caller:
+                messages.setdefault(owner, []).append(f"{identifier}:{token} ")
+            self.granted.append((identifier, token))
+        if heads:
+            self._leave_queue(heads)
+        for owner, grants in messages.items():
+            self.writes.append(("PUBLISH", self.keys.channels + owner.decode(), "".join(grants)))
+
+    def _acquire(self, member: bytes, mode: str) -> int:
+        keys = self.keys
+        if member in self.cancelled:
+            return -2
+        if member in self.owners:
+            self.leases[member] = self.now
+            self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(self.now), member))
+            return self.owners[member]
+        alive_until = _seconds(self.now + self.waiter_ttl)
+        if member in self.queued:
+            self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
+            return 0
+        if self.queue_size == 0 and len(self.owners) < self.limit:
+            return self._grant(member, self.now)
+        if mode != "wait":
+            return -1
+        self.counter += 1
+        self.queue_size += 1
+        self.queued.add(member)
+        self.writes += [("ZADD", keys.queue, self.counter, member), ("ZADD", keys.waiters, alive_until, member)]
+        return 0
+
+    def _release(self, member: bytes, mode: str) -> int:
+        keys = self.keys
+        if member in self.owners:
+            del self.owners[member], self.leases[member]
+            self.writes += [("ZREM", keys.owner_set, member), ("ZREM", keys.timeout_set, member)]
+            return 1
+        if mode == "cancel":
+            if member in self.queued:
+                self._leave_queue([member])
+                if member in self.heads:
+                    self.heads.remove(member)
+            else:
+                self.cancelled.add(member)
+                self.writes += [
+                    ("ZADD", keys.cancelled, _seconds(self.now + _TOMBSTONE_SECONDS), member),
+                    ("PEXPIRE", keys.cancelled, (_TOMBSTONE_SECONDS + 1) * 1000),
+                ]
+        return 0
+
+    def _refresh(self, member: bytes, mode: str) -> int:
+        keys = self.keys
+        if member in self.owners:
+            self.leases[member] = self.now
+            self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(self.now), member))
+            return self.owners[member]
+        if member in self.queued:
+            self.writes.append(("ZADD", keys.waiters, _seconds(self.now + self.waiter_ttl), member))
+            return 0
+        return -1
+
+
+def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
+    return item[1], item[0]
+
+
+#: How far past what it needs a Lua-free step reads the queue, to see past
+#: waiters presumed dead.
+_QUEUE_WINDOW: Final = 64
+#: As in the scripts: how long a cancelled identifier is refused.
+_TOMBSTONE_SECONDS: Final = 60
+_OWNER = re.compile(rb"^([0-9a-fA-F]+)\.")
+
+
+def _owner(member: bytes) -> bytes | None:
+    match = _OWNER.match(member)
+    return None if match is None else match[1]
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.6f}"
+
+
+def _parse_zset(connection: PinnedConnection, reply: list[Any]) -> dict[bytes, float]:
     # RESP2 answers ZRANGE WITHSCORES flat, [member, score, ...]; RESP3 in pairs.
     if reply and isinstance(reply[0], list):
-        return {member: float(score) for member, score in reply}
-    return {reply[i]: float(reply[i + 1]) for i in range(0, len(reply), 2)}
+        return {connection.encode(member): float(score) for member, score in reply}
+    return {connection.encode(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
 def _parse_time(reply: list[Any]) -> float:

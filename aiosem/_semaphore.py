@@ -1,23 +1,36 @@
-"""The mechanism both semaphores share: permits, acquiring, holding, releasing.
+"""The mechanism both semaphores share: permits, waiting, holding, releasing.
 
 `AsyncFairSemaphore` and `AsyncLockedSemaphore` differ only in how one step
--- grant, release or refresh some identifiers -- is carried out atomically in
-Redis (`_Semaphore._execute`); everything a caller sees is here.
+-- grant, queue, release, cancel or refresh some identifiers, and hand freed
+permits to the queue -- is carried out atomically in Redis
+(`_Semaphore._execute`); everything a caller sees is here.
+
+Per semaphore object, and so per process in the usual case of one object per
+name: concurrent steps of one kind are coalesced into one call at a time
+(`Lane`); waiters wait on futures, resolved by the reply that handed them a
+permit, by a message on the object's channel, or by the pump -- one task that
+proves all the object's waiters alive in one call every third of a waiter
+timeout, claims permits handed over by other processes, and re-checks the
+semaphore exactly when its earliest lease runs out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 import redis
 
+from ._coordination import Lane, Subscriber, text
 from ._exceptions import AcquireTimeout, PermitLost, SemaphoreError
 from ._keys import SemaphoreKeys, check_prefix
 from ._timing import Backoff, Deadline
@@ -36,10 +49,17 @@ Operation = Literal["acquire", "release", "refresh"]
 #: How long a release that runs while its caller is being cancelled, or after
 #: its body failed, may take before it is abandoned to the lease.
 _CLEANUP_TIMEOUT: Final = 5.0
+#: The default waiter timeout, unless the lease is shorter.
+_WAITER_TIMEOUT: Final = 2.0
+#: How long after a lease runs out its semaphore is re-checked: enough for
+#: the server's clock to have passed it too.
+_RECHECK_DELAY: Final = 0.001
 
 
 #: The longest pause between tries of a step that has to happen.
 _MUST_STEP_PAUSE: Final = 0.005
+#: Pauses of a failing pump grow by this much, up to a heartbeat.
+_RETRY_PAUSE: Final = 0.05
 
 
 class _Default(enum.Enum):
@@ -83,15 +103,37 @@ class Reply:
 
     Attributes:
         holders: Permits held once the step was done.
+        waiting: Waiters queued once the step was done.
         next_expiry: Seconds until the earliest live lease runs out, or
             ``None`` when nobody holds.
-        values: One result per identifier of the step: a fencing token
-            (0: not granted) for a grant, 1 or 0 for a release or refresh.
+        values: One result per identifier of the step (see the scripts).
+        granted: The waiters this step handed a permit, with their tokens.
     """
 
     holders: int
+    waiting: int
     next_expiry: float | None
     values: tuple[int, ...]
+    granted: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SemaphoreStatistics:
+    """A snapshot of a semaphore, from this process's point of view.
+
+    Attributes:
+        name: The semaphore's name.
+        limit: How many permits may be held at once.
+        holders: Permits held, as Redis last answered this object.
+        waiting: Waiters queued in all processes, as Redis last answered.
+        local_waiters: Tasks of this process waiting through this object.
+    """
+
+    name: str
+    limit: int
+    holders: int
+    waiting: int
+    local_waiters: int
 
 
 #: The permits the current task holds through ``async with``, innermost
@@ -101,7 +143,29 @@ _held: ContextVar[tuple[tuple[_Semaphore, Permit], ...]] = ContextVar("aiosem_he
 
 
 class _Semaphore(ABC):
-    __slots__ = ("_blocking_timeout", "_client", "_clock", "_keys", "_limit", "_name", "_timeout")
+    __slots__ = (
+        "__weakref__",
+        "_blocking_timeout",
+        "_claiming",
+        "_claims",
+        "_client",
+        "_clock",
+        "_keys",
+        "_lanes",
+        "_last",
+        "_limit",
+        "_loop",
+        "_name",
+        "_process",
+        "_pump",
+        "_queued",
+        "_recheck_at",
+        "_subscribed",
+        "_timeout",
+        "_waiter_ttl",
+        "_waiters",
+        "_wake",
+    )
 
     def __init__(
         self,
@@ -113,6 +177,7 @@ class _Semaphore(ABC):
         blocking_timeout: float | None = None,
         prefix: str = "aiosem",
         clock: Callable[[], float] | None = None,
+        waiter_timeout: float | None = None,
     ) -> None:
         self._name = check_name(name)
         self._limit = check_limit(limit)
@@ -121,8 +186,30 @@ class _Semaphore(ABC):
         self._keys = SemaphoreKeys.for_name(check_prefix(prefix), name)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
+        if waiter_timeout is None:
+            self._waiter_ttl = min(_WAITER_TIMEOUT, self._timeout)
+        else:
+            self._waiter_ttl = check_timeout(waiter_timeout, "waiter_timeout")
+            if self._waiter_ttl > self._timeout:
+                raise ValueError(f"waiter_timeout must not exceed timeout ({self._timeout:g} s), got {waiter_timeout}")
         self._client = client
         self._clock = clock
+        #: This object's identity in Redis: its waiters' identifiers and its
+        #: channel begin with it.
+        self._process = secrets.token_hex(8)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lanes: dict[tuple[Operation, str], Lane[Reply]] = {}
+        #: Every waiting acquire's future, and those of them known to be queued.
+        self._waiters: dict[str, asyncio.Future[int]] = {}
+        self._queued: set[str] = set()
+        #: Permits handed over by other processes, to claim; and being claimed.
+        self._claims: set[str] = set()
+        self._claiming: set[str] = set()
+        self._pump: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._recheck_at: float | None = None
+        self._subscribed = False
+        self._last = Reply(0, 0, None, ())
 
     @property
     def name(self) -> str:
@@ -145,6 +232,11 @@ class _Semaphore(ABC):
         return self._blocking_timeout
 
     @property
+    def waiter_timeout(self) -> float:
+        """How long a waiter whose process stopped answering keeps its place, in seconds."""
+        return self._waiter_ttl
+
+    @property
     def key(self) -> str:
         """The Redis key the semaphore is stored under (its other keys extend it)."""
         return self._keys.base
@@ -156,27 +248,164 @@ class _Semaphore(ABC):
         )
 
     @abstractmethod
-    async def _execute(self, operation: Operation, identifiers: Sequence[str]) -> Reply | None:
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
         """Carry out one step atomically; ``None`` if it could not run now and should be retried."""
 
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
-    async def _must_step(self, operation: Operation, identifiers: Sequence[str]) -> Reply:
-        # A step that has to happen (release, refresh, count) may wait out a
-        # busy lock for as long as a lease: by then the answer is moot.
-        deadline = Deadline(self._timeout)
-        # A busy lock is held for a round trip or two; a release that backed
-        # off as far as a waiting acquire would lose it to every poller.
+    # --- steps -----------------------------------------------------------------
+
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError(f"{self!r} is in use by another event loop; create one semaphore object per loop")
+        self._loop = loop
+        self._lanes.clear()
+        self._waiters.clear()
+        self._queued.clear()
+        self._claims.clear()
+        self._claiming.clear()
+        self._pump = None
+        self._wake = asyncio.Event()
+        self._subscribed = False
+
+    async def _submit(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> tuple[Sequence[int], Reply]:
+        self._bind()
+        lane = self._lanes.get((operation, mode))
+        if lane is None:
+            lane = self._lanes[operation, mode] = Lane(lambda ids: self._step(operation, mode, ids))
+        return await lane.submit(identifiers)
+
+    async def _step(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply:
+        deadline: Deadline | None = None
+        # A busy lock is held for a round trip or two; a step that backed off
+        # as far as a polling waiter would lose it to every poller.
         backoff = Backoff(longest=_MUST_STEP_PAUSE)
-        while (reply := await self._execute(operation, identifiers)) is None:
+        while (reply := await self._execute(operation, mode, identifiers)) is None:
+            if operation == "acquire" and mode == "try":
+                reply = Reply(self._last.holders, self._last.waiting, None, (-1,) * len(identifiers))
+                break
+            # A step that has to happen may wait out a busy lock for as long
+            # as a lease: by then the answer is moot.
+            deadline = deadline or Deadline(self._timeout)
             if deadline.passed():
                 raise SemaphoreError(
                     f"semaphore {self._name!r} stayed busy for {self._timeout:g} s; {operation} not done",
                     name=self._name,
                 )
             await backoff.pause(deadline)
+        self._observe(reply)
         return reply
+
+    def _observe(self, reply: Reply) -> None:
+        """Learn what a reply says about this object's waiters."""
+        self._last = reply
+        for identifier, token in reply.granted:
+            # Granted by this object's own call: a full lease, nothing to claim.
+            waiter = self._waiters.get(identifier)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(token)
+        if self._queued and reply.next_expiry is not None:
+            at = asyncio.get_running_loop().time() + reply.next_expiry + _RECHECK_DELAY
+            if self._recheck_at is None or at < self._recheck_at:
+                self._recheck_at = at
+                self._wake.set()
+
+    def _on_message(self, message: str) -> None:
+        """A permit was handed to some of this object's waiters by another process."""
+        for grant in message.split():
+            identifier, _, token = grant.partition(":")
+            self._claims.add(identifier)
+            waiter = self._waiters.get(identifier)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(int(token))
+        self._start_pump()
+
+    # --- the pump --------------------------------------------------------------
+
+    def _start_pump(self) -> None:
+        self._wake.set()
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    async def _run_pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        heartbeat = self._waiter_ttl / 3
+        next_beat = loop.time() + heartbeat
+        failures = 0
+        try:
+            while self._queued or self._claims:
+                if not self._claims:
+                    due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
+                    self._wake.clear()
+                    with anyio.move_on_after(due - loop.time()):
+                        await self._wake.wait()
+                    if not self._claims and loop.time() < due:
+                        continue
+                claims, self._claims = self._claims, set()
+                self._claiming |= claims
+                identifiers = [*claims, *(i for i in self._queued if i not in claims)]
+                self._recheck_at = None
+                try:
+                    values, _ = await self._submit("refresh", "", identifiers)
+                except Exception:  # never let the pump die: waiters depend on it
+                    failures += 1
+                    self._claims |= claims & self._claiming
+                    self._claiming -= claims
+                    if failures == 1:
+                        logger.warning("re-checking the waiters of %r failed; retrying", self, exc_info=True)
+                    await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
+                    continue
+                failures = 0
+                next_beat = loop.time() + heartbeat
+                await self._settle(identifiers, values)
+        finally:
+            self._pump = None
+
+    async def _settle(self, identifiers: Sequence[str], values: Sequence[int]) -> None:
+        """Act on what a re-check answered for each identifier."""
+        dropped = []
+        for identifier, value in zip(identifiers, values, strict=True):
+            waiter = self._waiters.get(identifier)
+            if value > 0:
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(value)
+            elif value < 0:
+                if waiter is not None and not waiter.done():
+                    dropped.append(identifier)
+                elif identifier in self._claiming:
+                    logger.warning("a permit of %r handed to this process was lost before it was claimed", self)
+            self._claiming.discard(identifier)
+        if dropped:
+            # The queue forgot these waiters, presumed dead (this process did
+            # not answer for a whole waiter timeout): queue them again, last.
+            logger.warning("%d waiter(s) of %r lost their place in the queue; queueing again", len(dropped), self)
+            requeued, _ = await self._submit("acquire", "wait", dropped)
+            for identifier, value in zip(dropped, requeued, strict=True):
+                waiter = self._waiters.get(identifier)
+                if waiter is not None and not waiter.done():
+                    if value > 0:
+                        waiter.set_result(value)
+                    elif value < 0:
+                        waiter.set_exception(
+                            SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
+                        )
+
+    async def _subscribe(self) -> None:
+        if self._subscribed:
+            return
+        try:
+            await Subscriber.of(self._client).subscribe(self._keys.channels + self._process, self._on_message)
+        except (TimeoutError, redis.RedisError):
+            if not self._subscribed:
+                # Waiters still get their permits, from the pump's re-checks.
+                logger.warning("could not subscribe for %r; waiters will be slower to wake", self, exc_info=True)
+        self._subscribed = True
+
+    # --- the interface ---------------------------------------------------------
 
     def _check_permit(self, permit: Permit) -> Permit:
         if not isinstance(permit, Permit):
@@ -192,8 +421,11 @@ class _Semaphore(ABC):
     ) -> Permit | None:
         """Take a permit, waiting for one if ``blocking``.
 
-        Waiting polls Redis with a jittered back-off of 1 to 50 ms, and ends
-        at once when a holder's lease runs out before that.
+        A waiter joins a queue in Redis shared by every process; permits go
+        to the queue in arrival order, and a non-blocking call never takes
+        one while anybody is queued. When a permit frees, the step that frees
+        it hands it to the head of the queue at once; the waiter's process
+        hears of it by pub/sub, or at the latest at its next re-check.
 
         Args:
             blocking: Wait for a permit; with ``False``, try once and return.
@@ -206,46 +438,63 @@ class _Semaphore(ABC):
         Raises:
             TypeError: ``blocking_timeout`` is not a number.
             ValueError: ``blocking_timeout`` is negative or NaN.
+            RuntimeError: The semaphore is in use by another event loop.
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
-            A cancelled call may have been granted a permit whose reply it
-            never read. It releases that identifier, shielded from the
-            cancellation and bounded in time, before the cancellation
-            propagates. Should that release reach Redis before the grant
-            does, the permit is held until its lease runs out; so is one
-            granted just before the connection failed.
+            Nothing is left behind: a cancelled call leaves the queue, and a
+            permit it was granted -- even one whose grant was still on its way
+            to Redis -- is given back before the cancellation propagates
+            (shielded, and bounded to 5 s). A permit granted just before
+            Redis became unreachable ends with its lease.
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
-        deadline = Deadline(wait if blocking else 0.0)
-        identifier = secrets.token_hex(16)
-        backoff = Backoff()
-        while True:
-            try:
-                reply = await self._execute("acquire", (identifier,))
-            except (redis.ConnectionError, redis.ResponseError):
-                # The script was refused or the server is out of reach: a grant
-                # that did happen ends with its lease, and a release would only
-                # delay this error.
-                raise
-            except BaseException:
-                await self._abandon(identifier)
-                raise
-            if reply is not None and reply.values[0]:
-                return Permit(self._name, identifier, reply.values[0], self._keys.base)
-            if deadline.passed():
-                return None
-            await backoff.pause(deadline, wake_by=None if reply is None else reply.next_expiry)
+        if not blocking:
+            wait = 0.0
+        self._bind()
+        identifier = f"{self._process}.{secrets.token_hex(8)}"
+        waiter: asyncio.Future[int] | None = None
+        try:
+            if wait != 0:
+                await self._subscribe()
+                waiter = self._waiters[identifier] = asyncio.get_running_loop().create_future()
+            (value,), _ = await self._submit("acquire", "try" if waiter is None else "wait", (identifier,))
+            if value == 0 and waiter is not None:
+                self._queued.add(identifier)
+                self._start_pump()
+                with anyio.move_on_after(wait):
+                    value = await waiter
+                if waiter.done() and not waiter.cancelled():
+                    value = waiter.result()  # granted as the wait ran out: take it
+        except (redis.ConnectionError, redis.ResponseError):
+            # The server is out of reach or refused the script: a grant that
+            # did happen ends with its lease, and a cancel would only delay
+            # this error.
+            raise
+        except BaseException:
+            await self._give_up(identifier)
+            raise
+        finally:
+            self._waiters.pop(identifier, None)
+            self._queued.discard(identifier)
+        if value > 0:
+            return Permit(self._name, identifier, value, self._keys.base)
+        if waiter is not None:
+            await self._give_up(identifier)
+        return None
 
-    async def _abandon(self, identifier: str) -> None:
+    async def _give_up(self, identifier: str) -> None:
+        """Leave the queue, give back any permit, and refuse a grant still on its way."""
+        self._claims.discard(identifier)
+        self._claiming.discard(identifier)
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
             try:
-                await self._must_step("release", (identifier,))
+                await self._submit("release", "cancel", (identifier,))
             except Exception:
-                logger.warning("could not give back the permit of an interrupted acquire", exc_info=True)
+                logger.warning("could not give back what an interrupted acquire of %r took", self, exc_info=True)
 
     async def release(self, permit: Permit) -> bool:
-        """Give a permit back.
+        """Give a permit back; the longest waiter, if any, gets it in the same step.
 
         Returns:
             ``True`` if the permit was held until now; ``False`` if it was
@@ -263,8 +512,10 @@ class _Semaphore(ABC):
             Redis. ``async with`` shields its release for you.
         """
         permit = self._check_permit(permit)
-        reply = await self._must_step("release", (permit.identifier,))
-        return bool(reply.values[0])
+        self._claims.discard(permit.identifier)
+        self._claiming.discard(permit.identifier)
+        (released,), _ = await self._submit("release", "release", (permit.identifier,))
+        return released == 1
 
     async def refresh(self, permit: Permit) -> bool:
         """Restart a held permit's lease, so it lasts another ``timeout``.
@@ -283,8 +534,8 @@ class _Semaphore(ABC):
             redis.RedisError: Redis failed or could not be reached.
         """
         permit = self._check_permit(permit)
-        reply = await self._must_step("refresh", (permit.identifier,))
-        return bool(reply.values[0])
+        (token,), _ = await self._submit("refresh", "", (permit.identifier,))
+        return token > 0
 
     async def count(self) -> int:
         """Return how many permits are held now, after reaping expired ones.
@@ -294,8 +545,52 @@ class _Semaphore(ABC):
                 for a whole lease.
             redis.RedisError: Redis failed or could not be reached.
         """
-        reply = await self._must_step("acquire", ())
+        _, reply = await self._submit("acquire", "try", ())
         return reply.holders
+
+    async def waiting(self) -> int:
+        """Return how many waiters are queued now, in all processes.
+
+        Raises:
+            SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
+                for a whole lease.
+            redis.RedisError: Redis failed or could not be reached.
+        """
+        _, reply = await self._submit("acquire", "try", ())
+        return reply.waiting
+
+    async def holders(self) -> dict[str, float]:
+        """Return the live holders' identifiers, each with the seconds left of its lease.
+
+        A read-only look: nothing is reaped or handed off.
+
+        Raises:
+            redis.RedisError: Redis failed or could not be reached.
+        """
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zrange(self._keys.timeout_set, 0, -1, withscores=True)
+            pipe.zrange(self._keys.owner_set, 0, -1)
+            pipe.time()
+            leases, owners, (seconds, microseconds) = await pipe.execute()
+        now = self._now()
+        if now is None:
+            now = seconds + microseconds / 1_000_000
+        owned = {text(owner) for owner in owners}
+        return {
+            text(member): remaining
+            for member, score in leases
+            if text(member) in owned and (remaining := score + self._timeout - now) > 0
+        }
+
+    def statistics(self) -> SemaphoreStatistics:
+        """Return a snapshot: counts as Redis last answered this object, and its local waiters."""
+        return SemaphoreStatistics(
+            name=self._name,
+            limit=self._limit,
+            holders=self._last.holders,
+            waiting=self._last.waiting,
+            local_waiters=len(self._waiters),
+        )
 
     async def __aenter__(self) -> Permit:
         """Acquire a permit for the body, waiting up to ``blocking_timeout``.

@@ -60,6 +60,8 @@ __all__ = [
 #: How long `acquire_semaphore_with_lock` keeps its lock if it dies holding
 #: it. The lock guards one round trip; a crash costs the others this long.
 _SEMAPHORE_LOCK_TIMEOUT = 1.0
+#: The recipes never queue; the scripts take a waiter timeout all the same.
+_WAITER_TIMEOUT = 2.0
 
 
 def _semaphore_args(semname: object, timeout: object, now: object) -> tuple[str, str, str]:
@@ -139,8 +141,10 @@ async def acquire_fair_semaphore(
         now=check_now(now),
         lease=check_timeout(timeout),
         limit=check_limit(limit),
+        waiter_ttl=_WAITER_TIMEOUT,
+        mode="try",
     )
-    return identifier if reply.values[0] else None
+    return identifier if reply.values[0] > 0 else None
 
 
 async def release_fair_semaphore(
@@ -196,9 +200,11 @@ async def _fair_flag(
         (check_name(identifier, "identifier"),),
         now=check_now(now),
         lease=check_timeout(timeout),
-        limit=1,
+        limit=None,
+        waiter_ttl=_WAITER_TIMEOUT,
+        mode=operation,
     )
-    return bool(reply.values[0])
+    return reply.values[0] > 0
 
 
 async def _acquire_lock(conn: Redis, lockname: object, acquire_timeout: object, lock_ms: int | None) -> str | None:

@@ -142,7 +142,15 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
     assert keys.owner_set == "app:{db}:owner"
     assert keys.counter == "app:{db}:counter"
     assert keys.lock == "lock:app:{db}"
-    assert keys.fair == ("app:{db}", "app:{db}:owner", "app:{db}:counter")
+    assert keys.fair == (
+        "app:{db}",
+        "app:{db}:owner",
+        "app:{db}:counter",
+        "app:{db}:queue",
+        "app:{db}:waiters",
+        "app:{db}:cancelled",
+    )
+    assert keys.channels == "app:{db}:wake:"
 
 
 @pytest.mark.parametrize("prefix", ["{", "}", "a{b", "a}b", "{x}", "x{}"])

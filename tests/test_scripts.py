@@ -38,7 +38,7 @@ async def test_recipes_reload_a_flushed_script_cache(client: redis.asyncio.Redis
 async def no_scripting_client(fresh_redis_server: RedisServer) -> redis.asyncio.Redis:
     admin = fresh_redis_server.client()
     await admin.acl_setuser(
-        "worker", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-@scripting"]
+        "worker", enabled=True, passwords=["+secret"], keys=["*"], channels=["*"], commands=["+@all", "-@scripting"]
     )
     await admin.aclose()
     return fresh_redis_server.client(username="worker", password="secret")  # noqa: S106 -- a test server's user

@@ -198,9 +198,9 @@ def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[st
     steps: list[str] = []
     execute = cls._execute
 
-    async def counting(self: Any, operation: Any, identifiers: Any) -> Any:
-        steps.append(operation)
-        return await execute(self, operation, identifiers)
+    async def counting(self: Any, operation: Any, mode: Any, identifiers: Any) -> Any:
+        steps.append(f"{operation} {mode}".strip())
+        return await execute(self, operation, mode, identifiers)
 
     monkeypatch.setattr(cls, "_execute", counting)
     return steps
@@ -213,7 +213,7 @@ async def test_a_zero_blocking_timeout_tries_once(
     assert await sem.acquire() is not None
     count_steps.clear()
     assert await sem.acquire() is None
-    assert count_steps == ["acquire"]
+    assert count_steps == ["acquire try"]
 
 
 async def test_a_zero_blocking_timeout_at_the_call_tries_once(
@@ -223,7 +223,7 @@ async def test_a_zero_blocking_timeout_at_the_call_tries_once(
     assert await sem.acquire() is not None
     count_steps.clear()
     assert await sem.acquire(blocking_timeout=0) is None
-    assert count_steps == ["acquire"]
+    assert count_steps == ["acquire try"]
 
 
 async def test_a_zero_blocking_timeout_makes_async_with_fail_at_once(
@@ -235,7 +235,7 @@ async def test_a_zero_blocking_timeout_makes_async_with_fail_at_once(
     with pytest.raises(TimeoutError, match=r"^no permit of semaphore 'sem' within 0 s$"):
         async with sem:
             pytest.fail("the body must not run")
-    assert count_steps == ["acquire"]
+    assert count_steps == ["acquire try"]
 
 
 @pytest.mark.parametrize("construct", [None, INF], ids=["None", "inf"])
@@ -249,7 +249,8 @@ async def test_an_unbounded_blocking_timeout_keeps_waiting(
     with anyio.move_on_after(0.3) as waited:
         await sem.acquire()
     assert waited.cancelled_caught
-    assert count_steps.count("acquire") > 1
+    assert count_steps[0] == "acquire wait"  # queued once, then waited without polling
+    assert count_steps[-1] == "release cancel"
 
 
 @pytest.mark.parametrize("at_call", [None, INF], ids=["None", "inf"])
@@ -263,7 +264,8 @@ async def test_an_unbounded_blocking_timeout_at_the_call_overrides_the_default(
     with anyio.move_on_after(0.3) as waited:
         await sem.acquire(blocking_timeout=at_call)
     assert waited.cancelled_caught
-    assert count_steps.count("acquire") > 1
+    assert count_steps[0] == "acquire wait"
+    assert count_steps[-1] == "release cancel"
 
 
 # -- the recipes ---------------------------------------------------------------

@@ -1,14 +1,39 @@
 -- Shared by every aiosem script (prepended when the script is loaded): the
--- clock, the score format and the reaper.
+-- keys, the clock, the score format, the reaper and the hand-off.
 --
--- Scores of a timeout set are float seconds -- the time of the grant or of the
--- last refresh -- exactly as in Redis in Action, so clients written from the
--- book can share a semaphore with aiosem on one node. A permit granted at t
--- with lease L is live while now < t + L.
+-- Scores of the timeout set are float seconds -- the time of the grant or of
+-- the last refresh -- exactly as in Redis in Action, so book clients can
+-- share a semaphore with aiosem on one node. A permit granted at t with lease
+-- L is live while now < t + L.
+--
+-- Every fair script takes the same keys:
+local TIMEOUTS = KEYS[1]   -- identifier -> grant or refresh time (s)
+local OWNERS = KEYS[2]     -- identifier -> fencing token
+local COUNTER = KEYS[3]    -- the last fencing token or ticket; never expires
+local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
+local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
+local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
+--
+-- and the same arguments:
+-- ARGV[1] now in seconds, or '' for the server's clock
+-- ARGV[2] lease in seconds
+-- ARGV[3] limit, or '' when the caller does not know it
+-- ARGV[4] waiter TTL in seconds
+-- ARGV[5] the caller's process token ('' for none); waiter identifiers are
+--         '<process token>.<random>'
+-- ARGV[6] the prefix of the wake-up channels: a process's is prefix .. token
+-- ARGV[7] the mode of the operation
+-- ARGV[8..] identifiers
+--
+-- and every script returns {holders, waiting, next_expiry_us, result_1, ...,
+-- result_n, granted_id_1, token_1, ...}: next_expiry_us is how long until the
+-- earliest lease runs out (-1: nobody holds), the results are one per
+-- identifier, and the granted pairs are the waiters this call handed a permit.
 
--- The time every decision of one call is made at: the caller's override
--- (tests, or clients of servers that forbid TIME in scripts), else the
--- server's clock, so that no client clock can steal or revive a permit.
+-- How long a cancelled identifier is refused: far longer than a script can
+-- spend in flight.
+local TOMBSTONE_SECONDS = 60
+
 local function aiosem_now(override)
   if override ~= '' then
     return tonumber(override)
@@ -30,12 +55,14 @@ local function aiosem_zrem_all(key, members)
   end
 end
 
--- Remove every permit whose lease ran out from both sets. A book client
--- writes the two sets in separate steps, and eviction may take one set and
--- not the other, so afterwards drop any member that is in one set only: an
--- owner entry without a lease would hold a permit forever, a lease without
--- an owner entry counts for nothing. (ZINTERCARD needs Redis 7.)
+-- Remove every permit whose lease ran out from both sets, and return how
+-- many. A book client writes the two sets in separate steps, and eviction
+-- may take one set and not the other, so afterwards drop any member that is
+-- in one set only: an owner entry without a lease would hold a permit
+-- forever, a lease without an owner entry counts for nothing. (ZINTERCARD
+-- needs Redis 7.)
 local function aiosem_reap(timeout_set, owner_set, cutoff)
+  local before = redis.call('ZCARD', owner_set)
   local expired = redis.call('ZRANGEBYSCORE', timeout_set, '-inf', aiosem_seconds(cutoff))
   if #expired > 0 then
     aiosem_zrem_all(timeout_set, expired)
@@ -47,17 +74,125 @@ local function aiosem_reap(timeout_set, owner_set, cutoff)
     redis.call('ZINTERSTORE', owner_set, 2, owner_set, timeout_set, 'WEIGHTS', 1, 0)
     redis.call('ZINTERSTORE', timeout_set, 2, timeout_set, owner_set, 'WEIGHTS', 1, 0)
   end
+  return before - redis.call('ZCARD', owner_set)
 end
 
--- The two fields every fair script returns first: how many permits are held
--- after the call, and how long until the earliest lease runs out, in whole
--- microseconds of the script's clock (-1: nobody holds).
-local function aiosem_header(timeout_set, owner_set, now, lease)
-  local holders = redis.call('ZCARD', owner_set)
-  local first = redis.call('ZRANGE', timeout_set, 0, 0, 'WITHSCORES')
+-- Forget waiters that stopped proving they are alive, and old tombstones.
+local function aiosem_reap_waiters(now)
+  local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(now))
+  if #dead > 0 then
+    aiosem_zrem_all(QUEUE, dead)
+    aiosem_zrem_all(WAITERS, dead)
+  end
+  redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(now))
+end
+
+local function aiosem_owner(identifier)
+  return string.match(identifier, '^(%x+)%.')
+end
+
+-- Grant up to `free` permits to the longest-waiting waiters, appending
+-- identifier and token of each to `granted`, and tell each waiter's process
+-- on its channel (the caller learns of its own from the reply). A permit
+-- handed to another process's waiter lasts only a waiter TTL until that
+-- process claims it with a refresh: a waiter that died while queued never
+-- holds the line for a whole lease.
+local function aiosem_hand_off(free, now, lease, waiter_ttl, caller, channels, granted)
+  if free <= 0 then
+    return
+  end
+  local heads = redis.call('ZRANGE', QUEUE, 0, free - 1)
+  if #heads == 0 then
+    return
+  end
+  local messages = {}
+  for _, identifier in ipairs(heads) do
+    local token = redis.call('INCR', COUNTER)
+    local owner = aiosem_owner(identifier)
+    local stamp = now
+    if owner ~= caller then
+      stamp = now - lease + math.min(waiter_ttl, lease)
+      if owner then
+        messages[owner] = (messages[owner] or '') .. identifier .. ':' .. token .. ' '
+      end
+    end
+    redis.call('ZADD', OWNERS, token, identifier)
+    redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
+    granted[#granted + 1] = identifier
+    granted[#granted + 1] = token
+  end
+  aiosem_zrem_all(QUEUE, heads)
+  aiosem_zrem_all(WAITERS, heads)
+  for owner, text in pairs(messages) do
+    redis.call('PUBLISH', channels .. owner, text)
+  end
+end
+
+-- An idle semaphore leaves nothing behind but its counter: every set expires
+-- once no entry in it can still be live.
+local function aiosem_expire(lease, waiter_ttl)
+  local lease_ms = math.ceil(lease * 1000) + 1000
+  local waiter_ms = math.ceil(waiter_ttl * 1000) + 1000
+  redis.call('PEXPIRE', TIMEOUTS, lease_ms)
+  redis.call('PEXPIRE', OWNERS, lease_ms)
+  redis.call('PEXPIRE', QUEUE, waiter_ms)
+  redis.call('PEXPIRE', WAITERS, waiter_ms)
+end
+
+-- The header every script returns first.
+local function aiosem_header(now, lease)
+  local first = redis.call('ZRANGE', TIMEOUTS, 0, 0, 'WITHSCORES')
   local next_expiry = -1
   if first[2] then
     next_expiry = math.max(0, math.floor((tonumber(first[2]) + lease - now) * 1000000))
   end
-  return holders, next_expiry
+  return {redis.call('ZCARD', OWNERS), redis.call('ZCARD', QUEUE), next_expiry}
+end
+
+-- The part every script shares: read the arguments, reap, let `operation`
+-- act on each identifier, hand off what is free, and answer.
+-- `operation(identifier, state)` returns the identifier's result; `state`
+-- carries now, lease, limit, waiter_ttl, mode and `freed` (permits given up
+-- by the operation, which matter when the limit is unknown).
+local function aiosem_run(operation, hand_off_first)
+  local state = {
+    now = aiosem_now(ARGV[1]),
+    lease = tonumber(ARGV[2]),
+    limit = tonumber(ARGV[3]),
+    waiter_ttl = tonumber(ARGV[4]),
+    caller = ARGV[5],
+    channels = ARGV[6],
+    mode = ARGV[7],
+    freed = 0,
+  }
+  state.freed = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
+  aiosem_reap_waiters(state.now)
+  local granted = {}
+  local function hand_off()
+    local free = state.freed
+    if state.limit then
+      free = state.limit - redis.call('ZCARD', OWNERS)
+    end
+    aiosem_hand_off(free, state.now, state.lease, state.waiter_ttl, state.caller, state.channels, granted)
+    state.freed = 0
+  end
+  if hand_off_first then
+    hand_off()
+  end
+  local results = {}
+  for i = 8, #ARGV do
+    results[#results + 1] = operation(ARGV[i], state)
+  end
+  if not hand_off_first then
+    hand_off()
+  end
+  aiosem_expire(state.lease, state.waiter_ttl)
+  local reply = aiosem_header(state.now, state.lease)
+  for _, result in ipairs(results) do
+    reply[#reply + 1] = result
+  end
+  for _, value in ipairs(granted) do
+    reply[#reply + 1] = value
+  end
+  return reply
 end

@@ -1,41 +1,38 @@
--- Grant permits of a fair semaphore, in the order the identifiers are given.
+-- Grant permits of a fair semaphore, or queue for them.
 --
--- KEYS[1] timeout set (member: identifier, score: grant or refresh time, s)
--- KEYS[2] owner set (member: identifier, score: fencing token)
--- KEYS[3] counter (the last fencing token handed out; never expires)
--- ARGV[1] now in seconds, or '' for the server's clock
--- ARGV[2] lease in seconds
--- ARGV[3] limit
--- ARGV[4..] identifiers to grant
--- Returns {holders, next_expiry_us, token_1, ..., token_n}: token 0 means not
--- granted. An identifier that already holds gets its token again and its
--- lease restarted, so a retried grant never takes a second permit.
---
--- The first write that grows memory is the reaper's or INCR's: an
--- out-of-memory refusal there aborts the script with nothing written.
-local now = aiosem_now(ARGV[1])
-local lease = tonumber(ARGV[2])
-local limit = tonumber(ARGV[3])
-aiosem_reap(KEYS[1], KEYS[2], now - lease)
-
-local stamp = aiosem_seconds(now)
-local held = redis.call('ZCARD', KEYS[2])
-local result = {0, -1}
-for i = 4, #ARGV do
-  local identifier = ARGV[i]
-  local token = redis.call('ZSCORE', KEYS[2], identifier)
-  if token then
-    redis.call('ZADD', KEYS[1], 'XX', stamp, identifier)
-    token = tonumber(token)
-  elseif held < limit then
-    token = redis.call('INCR', KEYS[3])
-    redis.call('ZADD', KEYS[2], token, identifier)
-    redis.call('ZADD', KEYS[1], stamp, identifier)
-    held = held + 1
-  else
-    token = 0
+-- Keys and arguments: see the prelude. ARGV[3] (the limit) is required.
+-- Mode 'try': grant if a permit is free and nobody is queued, else refuse.
+-- Mode 'wait': grant as 'try' does, else join the queue.
+-- Results, per identifier: the fencing token if granted; 0 if queued; -1 if
+-- refused; -2 if the identifier was cancelled before this call arrived.
+-- Queued waiters are served first, so a newcomer never jumps the queue. An
+-- identifier that already holds gets its token again and its lease
+-- restarted, and one already queued keeps its place: a retried call never
+-- takes a second permit or a second place.
+return aiosem_run(function(identifier, state)
+  if redis.call('ZSCORE', CANCELLED, identifier) then
+    return -2
   end
-  result[#result + 1] = token
-end
-result[1], result[2] = aiosem_header(KEYS[1], KEYS[2], now, lease)
-return result
+  local stamp = aiosem_seconds(state.now)
+  local token = redis.call('ZSCORE', OWNERS, identifier)
+  if token then
+    redis.call('ZADD', TIMEOUTS, 'XX', stamp, identifier)
+    return tonumber(token)
+  end
+  if redis.call('ZSCORE', QUEUE, identifier) then
+    redis.call('ZADD', WAITERS, 'XX', aiosem_seconds(state.now + state.waiter_ttl), identifier)
+    return 0
+  end
+  if redis.call('ZCARD', QUEUE) == 0 and redis.call('ZCARD', OWNERS) < state.limit then
+    token = redis.call('INCR', COUNTER)
+    redis.call('ZADD', OWNERS, token, identifier)
+    redis.call('ZADD', TIMEOUTS, stamp, identifier)
+    return token
+  end
+  if state.mode ~= 'wait' then
+    return -1
+  end
+  redis.call('ZADD', QUEUE, redis.call('INCR', COUNTER), identifier)
+  redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
+  return 0
+end, true)

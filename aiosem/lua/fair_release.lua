@@ -1,21 +1,26 @@
--- Release permits of a fair semaphore.
+-- Release permits of a fair semaphore, handing each freed permit to the
+-- longest-waiting waiter in the same step.
 --
--- KEYS[1] timeout set, KEYS[2] owner set, KEYS[3] counter (unused; kept so
--- every fair script takes the same keys)
--- ARGV[1] now in seconds, or '' for the server's clock
--- ARGV[2] lease in seconds
--- ARGV[3..] identifiers to release
--- Returns {holders, next_expiry_us, released_1, ..., released_n}: 1 if the
--- identifier held a live permit, 0 if it had expired or was never granted.
-local now = aiosem_now(ARGV[1])
-local lease = tonumber(ARGV[2])
-aiosem_reap(KEYS[1], KEYS[2], now - lease)
-
-local result = {0, -1}
-for i = 3, #ARGV do
-  local released = redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  result[#result + 1] = released
-end
-result[1], result[2] = aiosem_header(KEYS[1], KEYS[2], now, lease)
-return result
+-- Keys and arguments: see the prelude. Without a limit (ARGV[3] = ''), as
+-- many permits are handed off as this call freed.
+-- Mode 'release': results are 1 if the identifier held a live permit, else 0.
+-- Mode 'cancel' (an acquire given up): as 'release', but a queued identifier
+-- leaves the queue, and one the server has not seen yet is refused for a
+-- while, so that its acquire, should it arrive after this call, takes
+-- nothing.
+return aiosem_run(function(identifier, state)
+  if redis.call('ZREM', OWNERS, identifier) == 1 then
+    redis.call('ZREM', TIMEOUTS, identifier)
+    state.freed = state.freed + 1
+    return 1
+  end
+  if state.mode == 'cancel' then
+    if redis.call('ZREM', QUEUE, identifier) == 1 then
+      redis.call('ZREM', WAITERS, identifier)
+    else
+      redis.call('ZADD', CANCELLED, aiosem_seconds(state.now + TOMBSTONE_SECONDS), identifier)
+      redis.call('PEXPIRE', CANCELLED, (TOMBSTONE_SECONDS + 1) * 1000)
+    end
+  end
+  return 0
+end, false)

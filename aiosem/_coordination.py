@@ -1,0 +1,228 @@
+"""What one process shares between the calls it makes to one Redis.
+
+`Lane` coalesces concurrent steps of one kind into one call at a time, so
+that a thousand waiters in a process cost a handful of connections, not a
+thousand. `Subscriber` keeps one pub/sub connection per client and event
+loop, on which every semaphore of the process hears about permits handed to
+its waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
+
+import anyio
+import redis
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+    from redis.asyncio import Redis
+    from redis.asyncio.client import PubSub
+
+logger = logging.getLogger("aiosem")
+
+R = TypeVar("R")
+
+#: How long a new subscription may take to be confirmed.
+_SUBSCRIBE_TIMEOUT: Final = 5.0
+#: How often an idle subscriber looks for semaphores that are gone.
+_PRUNE_INTERVAL: Final = 1.0
+#: Pauses between reconnection attempts grow by this much, up to the longest.
+_RECONNECT_PAUSE: Final = 0.05
+_LONGEST_RECONNECT_PAUSE: Final = 1.0
+
+
+class Lane(Generic[R]):
+    """Coalesces concurrent calls of one kind into one call at a time.
+
+    A call made while none is in flight runs at once, in the caller's own
+    task, so an uncontended call costs exactly what a direct one does. Calls
+    made while one is in flight wait, and then all go together in the next
+    call, whose result each reads its part of.
+
+    ``run`` takes the identifiers of a batch and returns a result whose
+    ``values`` hold one value per identifier.
+    """
+
+    __slots__ = ("_busy", "_flusher", "_pending", "_run")
+
+    def __init__(self, run: Callable[[Sequence[str]], Awaitable[R]]) -> None:
+        self._run = run
+        self._busy = False
+        self._pending: list[tuple[Sequence[str], asyncio.Future[tuple[Sequence[int], R]]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def submit(self, identifiers: Sequence[str]) -> tuple[Sequence[int], R]:
+        """Run a step for ``identifiers``; return their values and the whole result.
+
+        Cancellation:
+            The step may still run, in this call or a batch; the caller must
+            undo what it may have done.
+        """
+        if self._busy:
+            future: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
+            self._pending.append((identifiers, future))
+            return await future
+        self._busy = True
+        try:
+            result = await self._run(identifiers)
+        finally:
+            if self._pending:
+                self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            else:
+                self._busy = False
+        return result.values, result  # type: ignore[attr-defined]
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch = [(ids, future) for ids, future in self._pending if not future.done()]
+                self._pending = []
+                if not batch:
+                    continue
+                try:
+                    result = await self._run([identifier for ids, _ in batch for identifier in ids])
+                except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                except BaseException:
+                    for _, future in batch:
+                        future.cancel()
+                    raise
+                values = result.values  # type: ignore[attr-defined]
+                offset = 0
+                for ids, future in batch:
+                    if not future.done():
+                        future.set_result((values[offset : offset + len(ids)], result))
+                    offset += len(ids)
+        finally:
+            self._busy = False
+            self._flusher = None
+
+
+class Subscriber:
+    """One pub/sub connection of a client, shared by every semaphore of the process.
+
+    Each semaphore subscribes its own channel with a handler, which is held
+    weakly: a semaphore that is gone is unsubscribed the next time the
+    subscriber is idle. The reader survives connection errors: redis-py
+    reconnects and subscribes again, and a message lost meanwhile only
+    delays a waiter until its semaphore's next re-check.
+    """
+
+    __slots__ = ("__weakref__", "_client", "_handlers", "_loop", "_pubsub", "_reader", "_ready")
+
+    _registry: ClassVar[weakref.WeakKeyDictionary[Any, Subscriber]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, client: Redis) -> None:
+        self._client = client
+        self._pubsub: PubSub = client.pubsub()
+        self._loop = asyncio.get_running_loop()
+        self._handlers: dict[str, weakref.WeakMethod[Callable[[str], None]]] = {}
+        self._ready: dict[str, asyncio.Future[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, client: Redis) -> Subscriber:
+        """The subscriber of ``client`` in the running event loop."""
+        subscriber = cls._registry.get(client)
+        if subscriber is None or subscriber.loop is not asyncio.get_running_loop():
+            subscriber = cls._registry[client] = cls(client)
+        return subscriber
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this subscriber serves."""
+        return self._loop
+
+    async def subscribe(self, channel: str, handler: Callable[[str], None]) -> None:
+        """Deliver the messages of ``channel`` to ``handler`` from now on.
+
+        Returns once the server has confirmed the subscription; concurrent
+        calls for one channel share one subscription.
+
+        Raises:
+            TimeoutError: No confirmation within 5 s.
+            redis.RedisError: The subscription failed or was refused.
+        """
+        ready = self._ready.get(channel)
+        if ready is None:
+            self._handlers[channel] = weakref.WeakMethod(handler)
+            ready = self._ready[channel] = self._loop.create_future()
+            try:
+                await self._pubsub.subscribe(channel)
+            except BaseException:
+                del self._handlers[channel], self._ready[channel]
+                raise
+            if self._reader is None:
+                self._reader = self._loop.create_task(self._read())
+        with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
+            await asyncio.shield(ready)
+
+    async def _read(self) -> None:
+        failures = 0
+        try:
+            while self._handlers:
+                try:
+                    message = await self._pubsub.get_message(timeout=_PRUNE_INTERVAL)
+                except redis.ResponseError as error:
+                    # A refusal (an ACL without the channel, say) answers the
+                    # subscriptions still waiting for their confirmation.
+                    self._refuse(error)
+                    continue
+                except redis.RedisError:
+                    # redis-py reconnects and subscribes again on the next read.
+                    if failures == 0:
+                        logger.warning("aiosem's pub/sub connection failed; reconnecting", exc_info=True)
+                    failures += 1
+                    await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+                    continue
+                failures = 0
+                if message is None:
+                    await self._prune()
+                    continue
+                channel = text(message["channel"])
+                ready = self._ready.get(channel)
+                if message["type"] == "subscribe" and ready is not None and not ready.done():
+                    ready.set_result(None)
+                elif message["type"] == "message":
+                    handler = self._handlers.get(channel)
+                    method = None if handler is None else handler()
+                    if method is not None:
+                        method(text(message["data"]))
+        finally:
+            # A subscribe made while this closes must not lose its connection:
+            # it gets a new pub/sub object, and this one is closed alone.
+            self._reader = None
+            pubsub, self._pubsub = self._pubsub, self._client.pubsub()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_SUBSCRIBE_TIMEOUT):
+                try:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                except redis.RedisError:
+                    logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
+
+    def _refuse(self, error: redis.ResponseError) -> None:
+        refused = [channel for channel, ready in self._ready.items() if not ready.done()]
+        for channel in refused:
+            self._ready.pop(channel).set_exception(error)
+            del self._handlers[channel]
+        if not refused:
+            logger.warning("aiosem's pub/sub connection got an error", exc_info=error)
+
+    async def _prune(self) -> None:
+        gone = [channel for channel, handler in self._handlers.items() if handler() is None]
+        for channel in gone:
+            del self._handlers[channel], self._ready[channel]
+        if gone:
+            await self._pubsub.unsubscribe(*gone)
+
+
+def text(value: Any) -> str:
+    """A reply's member or channel as a str, whether or not the client decodes replies."""
+    return value.decode() if isinstance(value, bytes) else str(value)
