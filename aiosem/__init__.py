@@ -15,6 +15,7 @@ from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore as AsyncLockedSemaphore
 from ._semaphore import Permit as Permit
+from ._semaphore import SemaphoreStatistics as SemaphoreStatistics
 
 __all__ = [
     "AcquireTimeout",
@@ -23,6 +24,7 @@ __all__ = [
     "Permit",
     "PermitLost",
     "SemaphoreError",
+    "SemaphoreStatistics",
     "__version__",
 ]
 

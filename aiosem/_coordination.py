@@ -36,13 +36,26 @@ _RECONNECT_PAUSE: Final = 0.05
 _LONGEST_RECONNECT_PAUSE: Final = 1.0
 
 
+class Submission:
+    """The identifiers of one call to a `Lane`, and whether they were sent."""
+
+    __slots__ = ("identifiers", "sent")
+
+    def __init__(self, identifiers: Sequence[str]) -> None:
+        self.identifiers = identifiers
+        #: Set once a call carrying these identifiers has started: from then
+        #: on Redis may act on them, even if the caller is cancelled.
+        self.sent = False
+
+
 class Lane(Generic[R]):
     """Coalesces concurrent calls of one kind into one call at a time.
 
     A call made while none is in flight runs at once, in the caller's own
     task, so an uncontended call costs exactly what a direct one does. Calls
     made while one is in flight wait, and then all go together in the next
-    call, whose result each reads its part of.
+    call, whose result each reads its part of. A caller cancelled before its
+    batch starts is left out of it.
 
     ``run`` takes the identifiers of a batch and returns a result whose
     ``values`` hold one value per identifier.
@@ -53,23 +66,24 @@ class Lane(Generic[R]):
     def __init__(self, run: Callable[[Sequence[str]], Awaitable[R]]) -> None:
         self._run = run
         self._busy = False
-        self._pending: list[tuple[Sequence[str], asyncio.Future[tuple[Sequence[int], R]]]] = []
+        self._pending: list[tuple[Submission, asyncio.Future[tuple[Sequence[int], R]]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def submit(self, identifiers: Sequence[str]) -> tuple[Sequence[int], R]:
-        """Run a step for ``identifiers``; return their values and the whole result.
+    async def submit(self, submission: Submission) -> tuple[Sequence[int], R]:
+        """Run a step for the submission's identifiers; return their values and the whole result.
 
         Cancellation:
-            The step may still run, in this call or a batch; the caller must
-            undo what it may have done.
+            If ``submission.sent`` is set, the step may still take effect and
+            the caller must undo what it may have done.
         """
         if self._busy:
             future: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
-            self._pending.append((identifiers, future))
+            self._pending.append((submission, future))
             return await future
         self._busy = True
+        submission.sent = True
         try:
-            result = await self._run(identifiers)
+            result = await self._run(submission.identifiers)
         finally:
             if self._pending:
                 self._flusher = asyncio.get_running_loop().create_task(self._flush())
@@ -80,12 +94,14 @@ class Lane(Generic[R]):
     async def _flush(self) -> None:
         try:
             while self._pending:
-                batch = [(ids, future) for ids, future in self._pending if not future.done()]
+                batch = [(submission, future) for submission, future in self._pending if not future.done()]
                 self._pending = []
                 if not batch:
                     continue
+                for submission, _ in batch:
+                    submission.sent = True
                 try:
-                    result = await self._run([identifier for ids, _ in batch for identifier in ids])
+                    result = await self._run([i for submission, _ in batch for i in submission.identifiers])
                 except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
                     for _, future in batch:
                         if not future.done():
@@ -97,10 +113,11 @@ class Lane(Generic[R]):
                     raise
                 values = result.values  # type: ignore[attr-defined]
                 offset = 0
-                for ids, future in batch:
+                for submission, future in batch:
+                    count = len(submission.identifiers)
                     if not future.done():
-                        future.set_result((values[offset : offset + len(ids)], result))
-                    offset += len(ids)
+                        future.set_result((values[offset : offset + count], result))
+                    offset += count
         finally:
             self._busy = False
             self._flusher = None

@@ -298,6 +298,8 @@ class _Plan:
     def _acquire(self, member: bytes, mode: str) -> int:
         keys = self.keys
         if member in self.cancelled:
+            self.cancelled.discard(member)
+            self.writes.append(("ZREM", keys.cancelled, member))
             return -2
         if member in self.owners:
             self.leases[member] = self.now

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import anyio
 import redis
 
-from ._coordination import Lane, Subscriber, text
+from ._coordination import Lane, Submission, Subscriber, text
 from ._exceptions import AcquireTimeout, PermitLost, SemaphoreError
 from ._keys import SemaphoreKeys, check_prefix
 from ._timing import Backoff, Deadline
@@ -272,12 +272,15 @@ class _Semaphore(ABC):
         self._wake = asyncio.Event()
         self._subscribed = False
 
-    async def _submit(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> tuple[Sequence[int], Reply]:
+    async def _submit(
+        self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission
+    ) -> tuple[Sequence[int], Reply]:
         self._bind()
         lane = self._lanes.get((operation, mode))
         if lane is None:
             lane = self._lanes[operation, mode] = Lane(lambda ids: self._step(operation, mode, ids))
-        return await lane.submit(identifiers)
+        submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
+        return await lane.submit(submission)
 
     async def _step(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply:
         deadline: Deadline | None = None
@@ -308,7 +311,12 @@ class _Semaphore(ABC):
             waiter = self._waiters.get(identifier)
             if waiter is not None and not waiter.done():
                 waiter.set_result(token)
-        if self._queued and reply.next_expiry is not None:
+        if self._queued:
+            self._recheck_when(reply)
+
+    def _recheck_when(self, reply: Reply) -> None:
+        """Have the pump re-check when the earliest lease a reply reports runs out."""
+        if reply.next_expiry is not None:
             at = asyncio.get_running_loop().time() + reply.next_expiry + _RECHECK_DELAY
             if self._recheck_at is None or at < self._recheck_at:
                 self._recheck_at = at
@@ -453,15 +461,17 @@ class _Semaphore(ABC):
             wait = 0.0
         self._bind()
         identifier = f"{self._process}.{secrets.token_hex(8)}"
+        submission = Submission((identifier,))
         waiter: asyncio.Future[int] | None = None
         try:
             if wait != 0:
                 await self._subscribe()
                 waiter = self._waiters[identifier] = asyncio.get_running_loop().create_future()
-            (value,), _ = await self._submit("acquire", "try" if waiter is None else "wait", (identifier,))
+            (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
             if value == 0 and waiter is not None:
                 self._queued.add(identifier)
                 self._start_pump()
+                self._recheck_when(reply)
                 with anyio.move_on_after(wait):
                     value = await waiter
                 if waiter.done() and not waiter.cancelled():
@@ -472,7 +482,8 @@ class _Semaphore(ABC):
             # this error.
             raise
         except BaseException:
-            await self._give_up(identifier)
+            if submission.sent:
+                await self._give_up(identifier)
             raise
         finally:
             self._waiters.pop(identifier, None)

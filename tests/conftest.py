@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import fakeredis
 import pytest
 
+from tests.proxy import TcpProxy
 from tests.support import FakeClock, RedisServer, find_redis_server
 
 if TYPE_CHECKING:
@@ -76,3 +77,10 @@ async def client(request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+async def proxy(redis_server: RedisServer) -> AsyncIterator[TcpProxy]:
+    """A `TcpProxy` in front of the session's server, started in the test's event loop."""
+    async with TcpProxy(redis_server.host, redis_server.port) as started:
+        yield started

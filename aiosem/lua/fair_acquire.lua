@@ -4,13 +4,14 @@
 -- Mode 'try': grant if a permit is free and nobody is queued, else refuse.
 -- Mode 'wait': grant as 'try' does, else join the queue.
 -- Results, per identifier: the fencing token if granted; 0 if queued; -1 if
--- refused; -2 if the identifier was cancelled before this call arrived.
+-- refused; -2 if the identifier was cancelled before this call arrived (its
+-- tombstone, having served, is removed).
 -- Queued waiters are served first, so a newcomer never jumps the queue. An
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
 -- takes a second permit or a second place.
 return aiosem_run(function(identifier, state)
-  if redis.call('ZSCORE', CANCELLED, identifier) then
+  if redis.call('ZREM', CANCELLED, identifier) == 1 then
     return -2
   end
   local stamp = aiosem_seconds(state.now)

@@ -1,0 +1,401 @@
+"""A cancelled acquire leaves nothing behind: no permit, no place in the queue, no tombstone.
+
+Both classes, on the session's real server, through a `TcpProxy` that can
+hold a request or a reply mid-flight -- so that a cancellation lands exactly
+between the server acting on an acquire and the client hearing of it, or
+the cleanup of a cancelled acquire overtakes the acquire itself. Each test
+ends by checking that the semaphore is idle and that of its keys only the
+fencing counter is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+import redis.asyncio
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from tests.proxy import TcpProxy
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+
+    from tests.support import RedisServer
+
+SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
+
+#: The longest any one wait of these tests may take before the test fails.
+WAIT = 5.0
+
+
+@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def granting_command(cls: SemaphoreClass) -> bytes:
+    """The command whose execution grants a permit: the fair script, or the locked step's transaction."""
+    return b"EVALSHA" if cls is AsyncFairSemaphore else b"EXEC"
+
+
+@pytest.fixture
+async def proxied(proxy: TcpProxy) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client that reaches the session's server through the proxy."""
+    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def direct(real_client: redis.asyncio.Redis) -> redis.asyncio.Redis:
+    """A client of the same server that bypasses the proxy (the database is flushed)."""
+    return real_client
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+    """Ask ``condition`` (a round trip each time) until it holds; fail after `WAIT` seconds."""
+    with anyio.fail_after(WAIT):
+        while not await condition():
+            pass
+
+
+async def until_queued(sem: Semaphore, waiters: int) -> None:
+    """Wait until exactly ``waiters`` are queued in Redis."""
+
+    async def queued() -> bool:
+        return await sem.waiting() == waiters
+
+    await until(queued)
+
+
+async def finished(task: asyncio.Task[object]) -> None:
+    """Wait until ``task`` is done, whatever its outcome; fail after `WAIT` seconds."""
+    with anyio.fail_after(WAIT):
+        await asyncio.wait({task})
+
+
+async def warm_up(sem: Semaphore) -> None:
+    """One acquire and release: subscribed, scripts loaded, one connection in the pool."""
+    permit = await sem.acquire()
+    assert permit is not None
+    assert await sem.release(permit)
+
+
+async def assert_nothing_left(sem: Semaphore, direct: redis.asyncio.Redis) -> None:
+    """No permit held, nobody queued, and of the semaphore's keys only its counter."""
+    assert await sem.count() == 0
+    assert await sem.waiting() == 0
+    assert await direct.keys(sem.key + "*") == [f"{sem.key}:counter".encode()]
+    assert await direct.exists(f"lock:{sem.key}") == 0
+
+
+# --- where the cancellation lands ------------------------------------------------------
+
+
+async def test_a_waiter_cancelled_while_queued_leaves_the_queue(
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+    waiter = asyncio.create_task(sem.acquire())
+    await until_queued(sem, 1)
+
+    waiter.cancel()
+    await finished(waiter)
+
+    assert waiter.cancelled()
+    assert await sem.waiting() == 0
+    assert await sem.release(holder)
+    await assert_nothing_left(sem, direct)
+
+
+async def test_a_grant_whose_reply_never_arrives_is_given_back(
+    cls: SemaphoreClass,
+    proxy: TcpProxy,
+    proxied: redis.asyncio.Redis,
+    direct: redis.asyncio.Redis,
+    granting_command: bytes,
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    owners = f"{sem.key}:owner"
+    await warm_up(sem)
+    proxy.hold_replies(after=granting_command)
+    acquiring = asyncio.create_task(sem.acquire())
+
+    async def granted_in_redis() -> bool:
+        return await direct.zcard(owners) == 1
+
+    await until(granted_in_redis)
+    acquiring.cancel()
+    await finished(acquiring)
+
+    assert acquiring.cancelled()
+    assert await direct.zcard(owners) == 0  # given back while the grant's reply is still held
+    proxy.release_replies()
+    other = cls(direct, "sem", 1)
+    permit = await other.acquire(blocking=False)
+    assert permit is not None
+    assert await other.release(permit)
+    await assert_nothing_left(sem, direct)
+
+
+async def test_an_acquire_that_arrives_after_its_cancellation_takes_nothing(
+    cls: SemaphoreClass,
+    proxy: TcpProxy,
+    proxied: redis.asyncio.Redis,
+    direct: redis.asyncio.Redis,
+    granting_command: bytes,
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    tombstones = f"{sem.key}:cancelled"
+    await warm_up(sem)
+    proxy.hold_requests(at=granting_command)
+    acquiring = asyncio.create_task(sem.acquire())
+    with anyio.fail_after(WAIT):
+        await proxy.wait_until(lambda: proxy.held_requests > 0)
+
+    acquiring.cancel()
+    await finished(acquiring)
+
+    assert acquiring.cancelled()
+    assert await direct.zcard(tombstones) == 1  # the cleanup overtook the acquire
+    closed = proxy.closed
+    proxy.release_requests()
+    with anyio.fail_after(WAIT):
+        # The held acquire reaches Redis, then the end of its dropped connection.
+        await proxy.wait_until(lambda: proxy.closed > closed)
+    assert await direct.zcard(f"{sem.key}:owner") == 0
+    assert await direct.exists(tombstones) == 0  # served its purpose, and went
+    await assert_nothing_left(sem, direct)
+
+
+async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+    first = asyncio.create_task(sem.acquire())
+    await until_queued(sem, 1)
+    second = asyncio.create_task(sem.acquire())
+    await until_queued(sem, 2)
+
+    assert await sem.release(holder)
+    # The release's own reply handed `first` the permit; `first` has not run since.
+    assert sum(waiter.done() for waiter in sem._waiters.values()) == 1
+    first.cancel()
+    with anyio.fail_after(WAIT):
+        permit = await second
+
+    assert permit is not None
+    await finished(first)
+    assert first.cancelled()
+    assert await sem.release(permit)
+    await assert_nothing_left(sem, direct)
+
+
+async def test_a_waiter_cancelled_as_another_process_hands_it_the_permit_passes_it_on(
+    cls: SemaphoreClass,
+    proxied: redis.asyncio.Redis,
+    direct: redis.asyncio.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    releasing = cls(proxied, "sem", 1)
+    waiting = cls(proxied, "sem", 1)
+    handed: list[str] = []
+    deliver = cls._on_message
+
+    def cancel_first_on_its_grant(self: Semaphore, message: str) -> None:
+        deliver(self, message)
+        handed.append(message)
+        if len(handed) == 1:
+            first.cancel()  # before `first` runs again: its grant is waiting for it
+
+    monkeypatch.setattr(cls, "_on_message", cancel_first_on_its_grant)
+    holder = await releasing.acquire()
+    assert holder is not None
+    first = asyncio.create_task(waiting.acquire())
+    await until_queued(waiting, 1)
+    second = asyncio.create_task(waiting.acquire())
+    await until_queued(waiting, 2)
+
+    assert await releasing.release(holder)
+    with anyio.fail_after(WAIT):
+        permit = await second
+
+    assert permit is not None
+    assert len(handed) == 2  # one hand-off each, by message
+    await finished(first)
+    assert first.cancelled()
+    assert await waiting.release(permit)
+    await assert_nothing_left(waiting, direct)
+
+
+# --- the ways a caller gives up ---------------------------------------------------------
+
+
+async def test_asyncio_timeout_around_a_blocked_acquire(
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("asyncio.timeout is new in Python 3.11")
+    else:
+        sem = cls(proxied, "sem", 1)
+        holder = await sem.acquire()
+        assert holder is not None
+        with anyio.fail_after(WAIT), pytest.raises(TimeoutError):
+            async with asyncio.timeout(None) as timeout:
+
+                async def expire_once_queued() -> None:
+                    await until_queued(sem, 1)
+                    timeout.reschedule(asyncio.get_running_loop().time())
+
+                expiry = asyncio.create_task(expire_once_queued())
+                await sem.acquire()
+        await finished(expiry)
+        assert await sem.waiting() == 0
+        assert await sem.release(holder)
+        await assert_nothing_left(sem, direct)
+
+
+@pytest.mark.parametrize("scope", [anyio.move_on_after, anyio.fail_after], ids=["move_on_after", "fail_after"])
+async def test_anyio_timeout_around_a_blocked_acquire(
+    cls: SemaphoreClass,
+    proxied: redis.asyncio.Redis,
+    direct: redis.asyncio.Redis,
+    scope: Callable[[float | None], anyio.CancelScope],
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+
+    async def expire_once_queued(timeout: anyio.CancelScope) -> None:
+        await until_queued(sem, 1)
+        timeout.deadline = anyio.current_time()
+
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tasks:
+            try:
+                with scope(None) as timeout:
+                    tasks.start_soon(expire_once_queued, timeout)
+                    await sem.acquire()
+            except TimeoutError:
+                assert scope is anyio.fail_after
+            else:
+                assert scope is anyio.move_on_after
+            assert timeout.cancelled_caught
+
+    assert await sem.waiting() == 0
+    assert await sem.release(holder)
+    await assert_nothing_left(sem, direct)
+
+
+async def test_task_group_cancellation_around_a_blocked_acquire(
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(sem.acquire)
+            await until_queued(sem, 1)
+            tasks.cancel_scope.cancel()
+
+    assert tasks.cancel_scope.cancelled_caught
+    assert await sem.waiting() == 0
+    assert await sem.release(holder)
+    await assert_nothing_left(sem, direct)
+
+
+@pytest.mark.parametrize("blocking_timeout", [0.02, 0.2])
+async def test_blocking_timeout_is_honoured_to_the_millisecond(
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis, blocking_timeout: float
+) -> None:
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+
+    started = anyio.current_time()
+    with anyio.fail_after(WAIT):
+        permit = await sem.acquire(blocking_timeout=blocking_timeout)
+    elapsed = anyio.current_time() - started
+
+    assert permit is None
+    assert blocking_timeout <= elapsed <= blocking_timeout + 0.05
+    assert await sem.waiting() == 0
+    assert await sem.release(holder)
+    await assert_nothing_left(sem, direct)
+
+
+# --- many at once --------------------------------------------------------------------------
+
+#: The contention test: permits, contenders, tries each, and how long it may run.
+LIMIT = 3
+CONTENDERS = 100
+TRIES = 40
+BUDGET = 12.0
+CANCELLATIONS = 1000
+
+
+@pytest.fixture(params=[None, 0.001], ids=["direct", "proxy-1ms"])
+async def contended(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of the session's server, directly or through a proxy that delays each chunk 1 ms each way."""
+    latency: float | None = request.param
+    if latency is None:
+        client = redis_server.client()
+        yield client
+        await client.aclose()
+        return
+    async with TcpProxy(redis_server.host, redis_server.port) as proxy:
+        proxy.delay(latency)
+        client = redis.asyncio.Redis(host=proxy.host, port=proxy.port)
+        yield client
+        await client.aclose()
+
+
+@pytest.mark.slow
+async def test_a_thousand_random_cancellations_under_contention_leave_nothing_behind(
+    cls: SemaphoreClass, contended: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    sem = cls(contended, "sem", LIMIT)
+    rng = random.Random(20240501)
+    deadline = anyio.current_time() + BUDGET
+    cancelled = bodies = inside = most_inside = 0
+
+    async def contend() -> None:
+        nonlocal cancelled, bodies, inside, most_inside
+        for _ in range(TRIES):
+            if anyio.current_time() >= deadline:
+                return
+            with anyio.move_on_after(rng.uniform(0, 0.01)) as attempt:
+                async with sem:
+                    inside += 1
+                    most_inside = max(most_inside, inside)
+                    try:
+                        await anyio.sleep(rng.uniform(0, 0.003))
+                    finally:
+                        inside -= 1
+                    bodies += 1
+            cancelled += attempt.cancelled_caught
+
+    with anyio.fail_after(BUDGET + 2 * WAIT):
+        async with anyio.create_task_group() as tasks:
+            for _ in range(CONTENDERS):
+                tasks.start_soon(contend)
+
+    assert cancelled >= CANCELLATIONS, f"only {cancelled} cancellations ({bodies} bodies ran)"
+    assert most_inside <= LIMIT
+    await assert_nothing_left(sem, direct)

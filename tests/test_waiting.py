@@ -1,0 +1,282 @@
+"""Blocked acquirers wait in a queue in Redis and get freed permits handed over at once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, SemaphoreStatistics, recipes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import redis.asyncio
+
+    from tests.support import FakeClock, RedisServer
+
+SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
+
+#: The most any wait in these tests may take before the test fails.
+BOUND = 10.0
+
+
+@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def make(cls: SemaphoreClass, client: redis.asyncio.Redis) -> Callable[..., Semaphore]:
+    """Semaphore objects on one name: each object stands for a process of its own."""
+
+    def make(limit: int = 1, **options: object) -> Semaphore:
+        return cls(client, "queue", limit, **options)  # type: ignore[arg-type]
+
+    return make
+
+
+async def wait_until_queued(sem: Semaphore, count: int) -> None:
+    with anyio.fail_after(BOUND):
+        while await sem.waiting() < count:  # noqa: ASYNC110 -- the state is in Redis: no event to wait on
+            await anyio.sleep(0.002)
+
+
+async def test_a_release_hands_the_permit_to_the_waiter(make: Callable[..., Semaphore]) -> None:
+    holder_side, waiter_side = make(), make()
+    held = await holder_side.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 1)
+        assert await holder_side.release(held)
+        # Handed over in the release's own step: nobody can slip in between.
+        assert await holder_side.acquire(blocking=False) is None
+    assert got[0] is not None
+    assert got[0].fencing_token > held.fencing_token
+    assert await holder_side.count() == 1
+    assert await holder_side.waiting() == 0
+
+
+async def test_waiters_are_served_in_arrival_order_across_processes(make: Callable[..., Semaphore]) -> None:
+    sides = [make(), make()]
+    held = await sides[0].acquire()
+    assert held is not None
+    served: list[int] = []
+
+    async def wait(number: int) -> None:
+        permit = await sides[number % 2].acquire()
+        assert permit is not None
+        served.append(number)
+        await sides[number % 2].release(permit)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tasks:
+            for number in range(10):
+                tasks.start_soon(wait, number)
+                await wait_until_queued(sides[0], number + 1)
+            await sides[0].release(held)
+    assert served == list(range(10))
+
+
+async def test_a_non_blocking_acquire_never_jumps_the_queue(
+    cls: SemaphoreClass, client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    holder_side = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    waiter_side = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    newcomer = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    assert await holder_side.acquire() is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 1)
+        clock.advance(6)
+        await waiter_side._submit("refresh", "", list(waiter_side._queued))  # its heartbeat, on this clock
+        clock.advance(5)  # the holder's lease ran out: no event tells anyone
+        assert await newcomer.acquire(blocking=False) is None
+    assert got[0] is not None
+
+
+async def test_a_lease_running_out_wakes_the_waiter(cls: SemaphoreClass, redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    crashed = cls(client, f"expiry-{cls.__name__}", 1, timeout=1.0)
+    waiter_side = cls(client, f"expiry-{cls.__name__}", 1, timeout=1.0)
+    assert await crashed.acquire() is not None  # never released
+    started = anyio.current_time()
+    with anyio.fail_after(BOUND):
+        permit = await waiter_side.acquire()
+    assert permit is not None
+    assert 0.9 <= anyio.current_time() - started < 1.0 + 1.0
+    await waiter_side.release(permit)
+    await client.aclose()
+
+
+async def test_a_queued_waiter_is_re_checked_when_the_earliest_lease_ends(make: Callable[..., Semaphore]) -> None:
+    # No event says that a lease ran out: the waiter's process looks then.
+    holder_side, waiter_side = make(timeout=10), make(timeout=10)
+    assert await holder_side.acquire() is not None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waiter_side.acquire)
+        await wait_until_queued(holder_side, 1)
+        assert waiter_side._recheck_at is not None
+        assert 9 < waiter_side._recheck_at - anyio.current_time() <= 10.01
+        tasks.cancel_scope.cancel()
+
+
+async def test_a_dead_waiter_holds_the_line_for_no_longer_than_its_waiter_timeout(
+    cls: SemaphoreClass, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    name = f"dead-{cls.__name__}"
+    holder_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    dead_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    live_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    held = await holder_side.acquire()
+    assert held is not None
+    # A waiter whose process is gone: queued by hand, never proving it is alive.
+    dead = dead_side._process + ".deadbeefdeadbeef"
+    await dead_side._submit("acquire", "wait", (dead,))
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await live_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 2)
+        released_at = anyio.current_time()
+        await holder_side.release(held)  # handed to the dead waiter first
+        with anyio.fail_after(BOUND):
+            while not got:  # noqa: ASYNC110 -- the waiter's own task appends it
+                await anyio.sleep(0.01)
+    assert got[0] is not None
+    assert anyio.current_time() - released_at < 0.5 + 0.5
+    await client.aclose()
+
+
+async def test_a_dead_waiter_leaves_the_queue_after_its_waiter_timeout(make: Callable[..., Semaphore]) -> None:
+    sem = make(waiter_timeout=0.2)
+    assert await sem.acquire() is not None
+    await sem._submit("acquire", "wait", ("0123456789abcdef.0123456789abcdef",))
+    assert await sem.waiting() == 1
+    await anyio.sleep(0.3)
+    assert await sem.waiting() == 0
+
+
+async def test_waiters_wake_without_pub_sub(cls: SemaphoreClass, fresh_redis_server: RedisServer) -> None:
+    # A user who may not subscribe (no channels in its ACL) still gets permits,
+    # from the re-check that runs when the holder's lease ends.
+    admin = fresh_redis_server.client()
+    await admin.acl_setuser("nochannels", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+    client = fresh_redis_server.client(username="nochannels", password="pw")  # noqa: S106 -- a test server's user
+    holder_side = cls(client, "quiet", 1, timeout=0.5)
+    waiter_side = cls(client, "quiet", 1, timeout=0.5)
+    assert await holder_side.acquire() is not None
+    with anyio.fail_after(BOUND):
+        assert await waiter_side.acquire() is not None
+    await client.aclose()
+    await admin.aclose()
+
+
+async def test_fair_and_locked_waiters_share_one_queue(client: redis.asyncio.Redis) -> None:
+    fair = AsyncFairSemaphore(client, "mixed", 1)
+    locked = AsyncLockedSemaphore(client, "mixed", 1)
+    held = await fair.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await locked.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(fair, 1)
+        await fair.release(held)
+    assert got[0] is not None
+
+
+async def test_a_recipe_release_hands_over_to_a_waiter(
+    make: Callable[..., Semaphore], client: redis.asyncio.Redis
+) -> None:
+    sem = make()
+    identifier = await recipes.acquire_fair_semaphore(client, sem.key, 1)
+    assert identifier is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await sem.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(sem, 1)
+        assert await recipes.release_fair_semaphore(client, sem.key, identifier)
+    assert got[0] is not None
+
+
+async def test_holders_lists_identifiers_with_their_remaining_lease(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=2, timeout=30)
+    first, second = await sem.acquire(), await sem.acquire()
+    assert first is not None
+    assert second is not None
+    holders = await sem.holders()
+    assert set(holders) == {first.identifier, second.identifier}
+    assert all(25 < remaining <= 30 for remaining in holders.values())
+
+
+async def test_statistics_is_a_frozen_snapshot(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=2)
+    permit = await sem.acquire()
+    assert permit is not None
+    statistics = sem.statistics()
+    assert statistics == SemaphoreStatistics(name="queue", limit=2, holders=1, waiting=0, local_waiters=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        statistics.holders = 5  # type: ignore[misc]
+
+
+async def test_statistics_counts_this_processes_waiters(make: Callable[..., Semaphore]) -> None:
+    sem = make()
+    held = await sem.acquire()
+    assert held is not None
+    async with anyio.create_task_group() as tasks:
+        for _ in range(3):
+            tasks.start_soon(sem.acquire)
+        await wait_until_queued(sem, 3)
+        assert sem.statistics().local_waiters == 3
+        assert sem.statistics().waiting == 3
+        tasks.cancel_scope.cancel()
+    assert sem.statistics().local_waiters == 0
+    assert await sem.waiting() == 0
+
+
+@pytest.mark.slow
+async def test_a_thousand_waiters_use_a_bounded_number_of_connections(
+    cls: SemaphoreClass, redis_server: RedisServer
+) -> None:
+    client = redis_server.client(client_name="thousand")
+    admin = redis_server.client()
+    sem = cls(client, f"thousand-{cls.__name__}", 1)
+    held = await sem.acquire()
+    assert held is not None
+    async with anyio.create_task_group() as tasks:
+        for _ in range(1000):
+            tasks.start_soon(sem.acquire)
+        await wait_until_queued(sem, 1000)
+        connections = [c for c in await admin.client_list() if c["name"] == "thousand"]
+        assert len(connections) <= 8, connections
+        tasks.cancel_scope.cancel()
+    assert await sem.waiting() == 0
+    await sem.release(held)
+    await client.aclose()
+    await admin.aclose()
