@@ -14,10 +14,11 @@ base key as its ``semname``:
 =============================  ===========================================
 ``prefix:{name}``              timeout set: identifier -> grant time (s)
 ``prefix:{name}:owner``        owner set: identifier -> fencing token
-``prefix:{name}:counter``      the last fencing token or ticket; never expires
+``prefix:{name}:counter``      the last fencing token; never expires
 ``prefix:{name}:queue``        waiters: identifier -> ticket (arrival order)
 ``prefix:{name}:waiters``      waiters: identifier -> presumed dead at (s)
 ``prefix:{name}:cancelled``    tombstones: identifier -> refused until (s)
+``prefix:{name}:tickets``      the last ticket handed to a waiter
 ``prefix:{name}:wake:<token>`` the channel of one process's waiters
 ``lock:prefix:{name}``         the short lock of `AsyncLockedSemaphore`
 =============================  ===========================================
@@ -79,6 +80,10 @@ class SemaphoreKeys:
         return f"{self.base}:cancelled"
 
     @property
+    def tickets(self) -> str:
+        return f"{self.base}:tickets"
+
+    @property
     def channels(self) -> str:
         """The prefix of the wake-up channels; a process's channel is this plus its token."""
         return f"{self.base}:wake:"
@@ -88,6 +93,14 @@ class SemaphoreKeys:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str, str, str, str]:
+    def fair(self) -> tuple[str, str, str, str, str, str, str]:
         """The keys every fair script takes, in order."""
-        return (self.timeout_set, self.owner_set, self.counter, self.queue, self.waiters, self.cancelled)
+        return (
+            self.timeout_set,
+            self.owner_set,
+            self.counter,
+            self.queue,
+            self.waiters,
+            self.cancelled,
+            self.tickets,
+        )

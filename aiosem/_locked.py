@@ -70,7 +70,7 @@ class AsyncLockedSemaphore(_Semaphore):
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_lock_ms",)
+    __slots__ = ("_lock_ms", "_tickets")
 
     def __init__(
         self,
@@ -96,6 +96,11 @@ class AsyncLockedSemaphore(_Semaphore):
             waiter_timeout=waiter_timeout,
         )
         self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
+        #: The tickets of waiters whose first try found the lock busy.
+        self._tickets: dict[bytes, int] = {}
+
+    def _forget(self, identifier: str) -> None:
+        self._tickets.pop(identifier.encode(), None)
 
     async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
         keys = self._keys
@@ -105,7 +110,16 @@ class AsyncLockedSemaphore(_Semaphore):
         # The queue is read only as far as a step can reach: its head, its
         # earliest presumed deaths, and the step's own identifiers.
         window = self._limit + len(members) + _QUEUE_WINDOW
-        reads: list[Command] = [
+        # A waiter's place in the queue is its ticket, taken outside the lock
+        # on its first try and kept through retries: waiting out a busy lock
+        # never costs it its place.
+        unticketed = [m for m in members if m not in self._tickets] if mode == "wait" else []
+        reads: list[Command] = []
+        if unticketed:
+            waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
+            reads += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
+        first = len(reads)
+        reads += [
             ("SET", keys.lock, owner, "NX", "PX", self._lock_ms),
             ("WATCH", keys.lock, *keys.fair),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
@@ -127,6 +141,11 @@ class AsyncLockedSemaphore(_Semaphore):
         try:
             async with pinned_connection(self._client) as connection:
                 replies = await connection.batch(*reads)
+                if unticketed:
+                    last = int(replies[0])
+                    for offset, member in enumerate(unticketed, start=last - len(unticketed) + 1):
+                        self._tickets[member] = offset
+                replies = replies[first:]
                 if replies[0] is None:
                     locked = False
                     await connection.batch(("UNWATCH",))
@@ -153,10 +172,14 @@ class AsyncLockedSemaphore(_Semaphore):
                     queued=scores(replies[8]),
                     alive_until=scores(replies[9]),
                     cancelled={member for member, until in scores(replies[10]).items() if until > now},
+                    tickets=self._tickets,
                 )
                 reply = plan.run(operation, mode, members)
                 committed = (await connection.batch(("MULTI",), *plan.writes, ("DEL", keys.lock), ("EXEC",)))[-1]
                 locked = committed is None
+                if not locked:
+                    for member in members:
+                        self._tickets.pop(member, None)
         finally:
             if locked:
                 await self._unlock(owner)
@@ -205,8 +228,10 @@ class _Plan:
         queued: dict[bytes, float],
         alive_until: dict[bytes, float],
         cancelled: set[bytes],
+        tickets: dict[bytes, int],
     ) -> None:
         self.keys = keys
+        self.tickets = tickets
         self.now = now
         self.lease = lease
         self.limit = limit
@@ -216,6 +241,8 @@ class _Plan:
         self.cancelled = cancelled
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
+        self.refreshed_holders: list[bytes] = []
+        self.refreshed_waiters: list[bytes] = []
         cutoff = now - lease
         dead = {member for member, score in leases.items() if score <= cutoff}
         leases = {member: score for member, score in leases.items() if member not in dead}
@@ -239,6 +266,7 @@ class _Plan:
         if operation == "acquire":
             self._hand_off()
         values = [act(member, mode) for member in members]
+        self._write_refreshes()
         if operation != "acquire":
             self._hand_off()
         keys = self.keys
@@ -251,6 +279,7 @@ class _Plan:
             ("PEXPIRE", keys.owner_set, lease_ms),
             ("PEXPIRE", keys.queue, waiter_ms),
             ("PEXPIRE", keys.waiters, waiter_ms),
+            ("PEXPIRE", keys.tickets, waiter_ms),
         ]
         earliest = min(self.leases.values(), default=None)
         return Reply(
@@ -313,10 +342,12 @@ class _Plan:
             return self._grant(member, self.now)
         if mode != "wait":
             return -1
-        self.counter += 1
         self.queue_size += 1
         self.queued.add(member)
-        self.writes += [("ZADD", keys.queue, self.counter, member), ("ZADD", keys.waiters, alive_until, member)]
+        self.writes += [
+            ("ZADD", keys.queue, self.tickets[member], member),
+            ("ZADD", keys.waiters, alive_until, member),
+        ]
         return 0
 
     def _release(self, member: bytes, mode: str) -> int:
@@ -339,15 +370,24 @@ class _Plan:
         return 0
 
     def _refresh(self, member: bytes, mode: str) -> int:
-        keys = self.keys
         if member in self.owners:
             self.leases[member] = self.now
-            self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(self.now), member))
+            self.refreshed_holders.append(member)
             return self.owners[member]
         if member in self.queued:
-            self.writes.append(("ZADD", keys.waiters, _seconds(self.now + self.waiter_ttl), member))
+            self.refreshed_waiters.append(member)
             return 0
         return -1
+
+    def _write_refreshes(self) -> None:
+        # One command for all the holders, one for all the waiters: a batch
+        # of a thousand waiters proving they are alive is two writes.
+        for key, score, members in (
+            (self.keys.timeout_set, _seconds(self.now), self.refreshed_holders),
+            (self.keys.waiters, _seconds(self.now + self.waiter_ttl), self.refreshed_waiters),
+        ):
+            if members:
+                self.writes.append(("ZADD", key, "XX", *(item for member in members for item in (score, member))))
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:

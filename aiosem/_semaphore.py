@@ -254,6 +254,9 @@ class _Semaphore(ABC):
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
+    def _forget(self, identifier: str) -> None:  # noqa: B027 -- a hook: the fair strategy keeps nothing
+        """Drop what a strategy keeps about an identifier whose acquire ended."""
+
     # --- steps -----------------------------------------------------------------
 
     def _bind(self) -> None:
@@ -488,6 +491,7 @@ class _Semaphore(ABC):
         finally:
             self._waiters.pop(identifier, None)
             self._queued.discard(identifier)
+            self._forget(identifier)
         if value > 0:
             return Permit(self._name, identifier, value, self._keys.base)
         if waiter is not None:

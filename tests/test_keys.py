@@ -149,6 +149,7 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
         "app:{db}:queue",
         "app:{db}:waiters",
         "app:{db}:cancelled",
+        "app:{db}:tickets",
     )
     assert keys.channels == "app:{db}:wake:"
 

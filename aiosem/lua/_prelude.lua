@@ -9,10 +9,11 @@
 -- Every fair script takes the same keys:
 local TIMEOUTS = KEYS[1]   -- identifier -> grant or refresh time (s)
 local OWNERS = KEYS[2]     -- identifier -> fencing token
-local COUNTER = KEYS[3]    -- the last fencing token or ticket; never expires
+local COUNTER = KEYS[3]    -- the last fencing token handed out; never expires
 local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
 local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
+local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
 --
 -- and the same arguments:
 -- ARGV[1] now in seconds, or '' for the server's clock
@@ -52,6 +53,31 @@ end
 local function aiosem_zrem_all(key, members)
   for i = 1, #members, 1000 do
     redis.call('ZREM', key, unpack(members, i, math.min(i + 999, #members)))
+  end
+end
+
+-- The scores of `members` in `key`, false where absent, in chunks that
+-- unpack() can take.
+local function aiosem_scores(key, members)
+  local scores = {}
+  for i = 1, #members, 1000 do
+    local chunk = redis.call('ZMSCORE', key, unpack(members, i, math.min(i + 999, #members)))
+    for j = 1, #chunk do
+      scores[#scores + 1] = chunk[j]
+    end
+  end
+  return scores
+end
+
+-- Set one score for all `members` that are in `key` already (ZADD XX).
+local function aiosem_touch_all(key, score, members)
+  for i = 1, #members, 500 do
+    local arguments = {}
+    for j = i, math.min(i + 499, #members) do
+      arguments[#arguments + 1] = score
+      arguments[#arguments + 1] = members[j]
+    end
+    redis.call('ZADD', key, 'XX', unpack(arguments))
   end
 end
 
@@ -137,6 +163,7 @@ local function aiosem_expire(lease, waiter_ttl)
   redis.call('PEXPIRE', OWNERS, lease_ms)
   redis.call('PEXPIRE', QUEUE, waiter_ms)
   redis.call('PEXPIRE', WAITERS, waiter_ms)
+  redis.call('PEXPIRE', TICKETS, waiter_ms)
 end
 
 -- The header every script returns first.
@@ -150,8 +177,8 @@ local function aiosem_header(now, lease)
 end
 
 -- The part every script shares: read the arguments, reap, let `operation`
--- act on each identifier, hand off what is free, and answer.
--- `operation(identifier, state)` returns the identifier's result; `state`
+-- act on the identifiers, hand off what is free, and answer.
+-- `operation(identifiers, state)` returns one result per identifier; `state`
 -- carries now, lease, limit, waiter_ttl, mode and `freed` (permits given up
 -- by the operation, which matter when the limit is unknown).
 local function aiosem_run(operation, hand_off_first)
@@ -179,10 +206,11 @@ local function aiosem_run(operation, hand_off_first)
   if hand_off_first then
     hand_off()
   end
-  local results = {}
+  local identifiers = {}
   for i = 8, #ARGV do
-    results[#results + 1] = operation(ARGV[i], state)
+    identifiers[#identifiers + 1] = ARGV[i]
   end
+  local results = operation(identifiers, state)
   if not hand_off_first then
     hand_off()
   end

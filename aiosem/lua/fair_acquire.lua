@@ -10,7 +10,7 @@
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
 -- takes a second permit or a second place.
-return aiosem_run(function(identifier, state)
+local function acquire(identifier, state)
   if redis.call('ZREM', CANCELLED, identifier) == 1 then
     return -2
   end
@@ -33,7 +33,15 @@ return aiosem_run(function(identifier, state)
   if state.mode ~= 'wait' then
     return -1
   end
-  redis.call('ZADD', QUEUE, redis.call('INCR', COUNTER), identifier)
+  redis.call('ZADD', QUEUE, redis.call('INCR', TICKETS), identifier)
   redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
   return 0
+end
+
+return aiosem_run(function(identifiers, state)
+  local results = {}
+  for i, identifier in ipairs(identifiers) do
+    results[i] = acquire(identifier, state)
+  end
+  return results
 end, true)

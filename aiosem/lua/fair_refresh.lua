@@ -8,15 +8,25 @@
 -- the queue. Expired permits are reaped before anything else and leases are
 -- only updated in place (ZADD XX), so a lost permit is never revived, not
 -- even for the duration of this script.
-return aiosem_run(function(identifier, state)
-  local token = redis.call('ZSCORE', OWNERS, identifier)
-  if token then
-    redis.call('ZADD', TIMEOUTS, 'XX', aiosem_seconds(state.now), identifier)
-    return tonumber(token)
+--
+-- However many identifiers, this costs a handful of commands: one batch of
+-- waiters proving they are alive is one call, whatever its size.
+return aiosem_run(function(identifiers, state)
+  local tokens = aiosem_scores(OWNERS, identifiers)
+  local queued = aiosem_scores(WAITERS, identifiers)
+  local results, holders, waiters = {}, {}, {}
+  for i, identifier in ipairs(identifiers) do
+    if tokens[i] then
+      holders[#holders + 1] = identifier
+      results[i] = tonumber(tokens[i])
+    elseif queued[i] then
+      waiters[#waiters + 1] = identifier
+      results[i] = 0
+    else
+      results[i] = -1
+    end
   end
-  if redis.call('ZSCORE', WAITERS, identifier) then
-    redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
-    return 0
-  end
-  return -1
+  aiosem_touch_all(TIMEOUTS, aiosem_seconds(state.now), holders)
+  aiosem_touch_all(WAITERS, aiosem_seconds(state.now + state.waiter_ttl), waiters)
+  return results
 end, false)

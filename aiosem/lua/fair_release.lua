@@ -8,7 +8,7 @@
 -- leaves the queue, and one the server has not seen yet is refused for a
 -- while, so that its acquire, should it arrive after this call, takes
 -- nothing.
-return aiosem_run(function(identifier, state)
+local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
     state.freed = state.freed + 1
@@ -23,4 +23,12 @@ return aiosem_run(function(identifier, state)
     end
   end
   return 0
+end
+
+return aiosem_run(function(identifiers, state)
+  local results = {}
+  for i, identifier in ipairs(identifiers) do
+    results[i] = release(identifier, state)
+  end
+  return results
 end, false)
