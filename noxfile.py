@@ -42,8 +42,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput and latency against a raw redis.asyncio floor, measured in one run."""
+    """Throughput, hand-off latency, fairness, crash reclaim and idle cost, each measured in one run."""
     session.install("-e", ".")
-    session.run(
-        "python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json", *session.posargs
-    )
+    session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
+    session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)

@@ -133,7 +133,7 @@ class Subscriber:
     delays a waiter until its semaphore's next re-check.
     """
 
-    __slots__ = ("__weakref__", "_client", "_handlers", "_loop", "_pubsub", "_reader", "_ready")
+    __slots__ = ("__weakref__", "_client", "_handlers", "_loop", "_pubsub", "_reader", "_ready", "_subscribing")
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Any, Subscriber]] = weakref.WeakKeyDictionary()
 
@@ -144,6 +144,7 @@ class Subscriber:
         self._handlers: dict[str, weakref.WeakMethod[Callable[[str], None]]] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._subscribing: set[asyncio.Task[None]] = set()
 
     @classmethod
     def of(cls, client: Redis) -> Subscriber:
@@ -172,15 +173,24 @@ class Subscriber:
         if ready is None:
             self._handlers[channel] = weakref.WeakMethod(handler)
             ready = self._ready[channel] = self._loop.create_future()
-            try:
-                await self._pubsub.subscribe(channel)
-            except BaseException:
-                del self._handlers[channel], self._ready[channel]
-                raise
-            if self._reader is None:
-                self._reader = self._loop.create_task(self._read())
+            # Sent from a task of the subscriber's own, so that a caller
+            # cancelled meanwhile cannot take the subscription from the others.
+            self._subscribing.add(task := self._loop.create_task(self._send_subscribe(channel, ready)))
+            task.add_done_callback(self._subscribing.discard)
         with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
             await asyncio.shield(ready)
+
+    async def _send_subscribe(self, channel: str, ready: asyncio.Future[None]) -> None:
+        try:
+            await self._pubsub.subscribe(channel)
+        except Exception as error:  # noqa: BLE001 -- every caller waiting on this subscription gets the error
+            if self._ready.get(channel) is ready:
+                del self._handlers[channel], self._ready[channel]
+            if not ready.done():
+                ready.set_exception(error)
+            return
+        if self._reader is None:
+            self._reader = self._loop.create_task(self._read())
 
     async def _read(self) -> None:
         failures = 0

@@ -121,7 +121,8 @@ class AsyncLockedSemaphore(_Semaphore):
         first = len(reads)
         reads += [
             ("SET", keys.lock, owner, "NX", "PX", self._lock_ms),
-            ("WATCH", keys.lock, *keys.fair),
+            # Not the tickets: others take theirs outside the lock.
+            ("WATCH", keys.lock, *keys.fair[:6]),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
@@ -272,15 +273,9 @@ class _Plan:
         keys = self.keys
         if self.counter > self.initial_counter:
             self.writes.insert(0, ("INCRBY", keys.counter, self.counter - self.initial_counter))
-        lease_ms = math.ceil(self.lease * 1000) + 1000
         waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
-        self.writes += [
-            ("PEXPIRE", keys.timeout_set, lease_ms),
-            ("PEXPIRE", keys.owner_set, lease_ms),
-            ("PEXPIRE", keys.queue, waiter_ms),
-            ("PEXPIRE", keys.waiters, waiter_ms),
-            ("PEXPIRE", keys.tickets, waiter_ms),
-        ]
+        for key in (keys.queue, keys.waiters, keys.tickets):
+            self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
         earliest = min(self.leases.values(), default=None)
         return Reply(
             holders=len(self.owners),
@@ -362,6 +357,8 @@ class _Plan:
                 if member in self.heads:
                     self.heads.remove(member)
             else:
+                # A step of this class that has not committed can only abort,
+                # but a batch retried after a busy lock would try again.
                 self.cancelled.add(member)
                 self.writes += [
                     ("ZADD", keys.cancelled, _seconds(self.now + _TOMBSTONE_SECONDS), member),
@@ -390,6 +387,10 @@ class _Plan:
                 self.writes.append(("ZADD", key, "XX", *(item for member in members for item in (score, member))))
 
 
+#: As in the scripts: how long a cancelled identifier is refused.
+_TOMBSTONE_SECONDS: Final = 60
+
+
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
     return item[1], item[0]
 
@@ -397,8 +398,6 @@ def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
 #: How far past what it needs a Lua-free step reads the queue, to see past
 #: waiters presumed dead.
 _QUEUE_WINDOW: Final = 64
-#: As in the scripts: how long a cancelled identifier is refused.
-_TOMBSTONE_SECONDS: Final = 60
 _OWNER = re.compile(rb"^([0-9a-fA-F]+)\.")
 
 

@@ -244,7 +244,8 @@ class _Semaphore(ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self._name!r}, limit={self._limit}, "
-            f"timeout={self._timeout:g}, blocking_timeout={self._blocking_timeout!r}, key={self.key!r})"
+            f"timeout={self._timeout:g}, blocking_timeout={self._blocking_timeout!r}, "
+            f"waiter_timeout={self._waiter_ttl:g}, key={self.key!r})"
         )
 
     @abstractmethod
@@ -328,12 +329,16 @@ class _Semaphore(ABC):
     def _on_message(self, message: str) -> None:
         """A permit was handed to some of this object's waiters by another process."""
         for grant in message.split():
-            identifier, _, token = grant.partition(":")
-            self._claims.add(identifier)
+            identifier = grant.partition(":")[0]
+            # The waiter is resolved once its claim is confirmed, so that every
+            # permit acquire() returns has a whole lease. A waiter no longer
+            # here gave up, and its cancel step gives the permit back; one
+            # resolved already was claimed by the re-check that resolved it.
             waiter = self._waiters.get(identifier)
             if waiter is not None and not waiter.done():
-                waiter.set_result(int(token))
-        self._start_pump()
+                self._claims.add(identifier)
+        if self._claims:
+            self._start_pump()
 
     # --- the pump --------------------------------------------------------------
 
@@ -358,8 +363,10 @@ class _Semaphore(ABC):
                         continue
                 claims, self._claims = self._claims, set()
                 self._claiming |= claims
-                identifiers = [*claims, *(i for i in self._queued if i not in claims)]
-                self._recheck_at = None
+                # A claim goes alone, at once; a heartbeat or re-check covers every waiter.
+                identifiers = list(claims) or list(self._queued)
+                if not claims:
+                    self._recheck_at = None
                 try:
                     values, _ = await self._submit("refresh", "", identifiers)
                 except Exception:  # never let the pump die: waiters depend on it
@@ -371,7 +378,8 @@ class _Semaphore(ABC):
                     await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
                     continue
                 failures = 0
-                next_beat = loop.time() + heartbeat
+                if not claims:
+                    next_beat = loop.time() + heartbeat
                 await self._settle(identifiers, values)
         finally:
             self._pump = None
@@ -395,15 +403,21 @@ class _Semaphore(ABC):
             # not answer for a whole waiter timeout): queue them again, last.
             logger.warning("%d waiter(s) of %r lost their place in the queue; queueing again", len(dropped), self)
             requeued, _ = await self._submit("acquire", "wait", dropped)
+            abandoned = []
             for identifier, value in zip(dropped, requeued, strict=True):
                 waiter = self._waiters.get(identifier)
-                if waiter is not None and not waiter.done():
-                    if value > 0:
-                        waiter.set_result(value)
-                    elif value < 0:
-                        waiter.set_exception(
-                            SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
-                        )
+                if waiter is None or waiter.done():
+                    # Given up while it was being queued again: its own cancel
+                    # may have run first, so undo what this step did.
+                    abandoned.append(identifier)
+                elif value > 0:
+                    waiter.set_result(value)
+                elif value < 0:
+                    waiter.set_exception(
+                        SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
+                    )
+            for identifier in abandoned:
+                await self._give_up(identifier)
 
     async def _subscribe(self) -> None:
         if self._subscribed:
@@ -436,7 +450,12 @@ class _Semaphore(ABC):
         to the queue in arrival order, and a non-blocking call never takes
         one while anybody is queued. When a permit frees, the step that frees
         it hands it to the head of the queue at once; the waiter's process
-        hears of it by pub/sub, or at the latest at its next re-check.
+        hears of it by pub/sub (or at the latest at its next re-check) and
+        claims it in one round trip, so that the permit returned always has
+        a whole lease. ``blocking_timeout`` bounds the wait in the queue; the
+        first blocking call of a semaphore object also subscribes to its
+        channel (at most 5 s), and `AsyncLockedSemaphore` may wait out a busy
+        lock before it is queued.
 
         Args:
             blocking: Wait for a permit; with ``False``, try once and return.
@@ -450,6 +469,9 @@ class _Semaphore(ABC):
             TypeError: ``blocking_timeout`` is not a number.
             ValueError: ``blocking_timeout`` is negative or NaN.
             RuntimeError: The semaphore is in use by another event loop.
+            SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
+                for a whole lease; or the queue forgot this waiter and would
+                not take it back.
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
@@ -485,6 +507,10 @@ class _Semaphore(ABC):
             # this error.
             raise
         except BaseException:
+            # No longer a waiter from here on: a re-check answering meanwhile
+            # must not queue it again.
+            self._waiters.pop(identifier, None)
+            self._queued.discard(identifier)
             if submission.sent:
                 await self._give_up(identifier)
             raise
@@ -553,25 +579,31 @@ class _Semaphore(ABC):
         return token > 0
 
     async def count(self) -> int:
-        """Return how many permits are held now, after reaping expired ones.
+        """Return how many permits are held now.
+
+        Like every step, it first reaps expired permits and dead waiters and
+        hands what is free to the queue.
 
         Raises:
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
             redis.RedisError: Redis failed or could not be reached.
         """
-        _, reply = await self._submit("acquire", "try", ())
+        _, reply = await self._submit("acquire", "count", ())
         return reply.holders
 
     async def waiting(self) -> int:
         """Return how many waiters are queued now, in all processes.
 
+        Like every step, it first reaps expired permits and dead waiters and
+        hands what is free to the queue.
+
         Raises:
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
             redis.RedisError: Redis failed or could not be reached.
         """
-        _, reply = await self._submit("acquire", "try", ())
+        _, reply = await self._submit("acquire", "count", ())
         return reply.waiting
 
     async def holders(self) -> dict[str, float]:

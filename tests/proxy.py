@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
 from typing import TYPE_CHECKING, Final, Literal, cast
 
@@ -248,8 +249,9 @@ class TcpProxy:
         "_changed",
         "_delays",
         "_errors",
+        "_listener",
         "_open",
-        "_server",
+        "_pending",
         "_tasks",
         "_upstream",
         "accepted",
@@ -258,7 +260,9 @@ class TcpProxy:
 
     def __init__(self, host: str, port: int) -> None:
         self._upstream = (host, port)
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        #: Sockets accepted and not yet in the hands of a transport.
+        self._pending: set[socket.socket] = set()
         self._open: set[_Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._delays: dict[Literal["requests", "replies"], float] = {"requests": 0.0, "replies": 0.0}
@@ -279,9 +283,16 @@ class TcpProxy:
 
     async def start(self) -> None:
         """Listen on a free loopback port."""
-        if self._server is not None:
+        if self._listener is not None:
             raise RuntimeError(f"{self!r} is already started")
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        # A socket and a reader callback of our own, not asyncio.start_server
+        # or sock_accept: closed just as they accept, both leak that socket.
+        listener = socket.socket()
+        listener.setblocking(False)  # noqa: FBT003 -- the socket API
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        self._listener = listener
+        asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, listener)
 
     async def aclose(self) -> None:
         """Stop listening, reset every connection, and wait (at most 5 s) until all is closed.
@@ -290,16 +301,21 @@ class TcpProxy:
             Exception: The first error a connection of the proxy died of, if
                 any: a bug in the proxy, not a network failure.
         """
-        server, self._server = self._server, None
-        if server is None:
+        listener, self._listener = self._listener, None
+        if listener is None:
             return
-        server.close()
+        asyncio.get_running_loop().remove_reader(listener.fileno())
+        listener.close()
         for connection in list(self._open):
             connection.abort()
+        for task in self._tasks:
+            task.cancel()  # connections still being set up
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=_CLOSE_TIMEOUT)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), _CLOSE_TIMEOUT)
+        for accepted in self._pending:
+            accepted.close()  # its task was cancelled before it began
+            self.closed += 1
+        self._pending.clear()
         if self._errors:
             raise self._errors[0]
 
@@ -323,9 +339,9 @@ class TcpProxy:
     @property
     def port(self) -> int:
         """The port clients connect to."""
-        if self._server is None:
+        if self._listener is None:
             raise RuntimeError("the proxy is not started")
-        port: int = self._server.sockets[0].getsockname()[1]
+        port: int = self._listener.getsockname()[1]
         return port
 
     # --- state ------------------------------------------------------------------
@@ -428,21 +444,37 @@ class TcpProxy:
 
     # --- connections ------------------------------------------------------------
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            accepted, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return  # another wake-up took it
+        accepted.setblocking(False)  # noqa: FBT003 -- the socket API
+        # Forward each chunk at once: with Nagle's algorithm a reply split in
+        # two waits for the client's delayed ACK (40 ms on Linux).
+        accepted.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._pending.add(accepted)
         self.accepted += 1
-        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+        task = asyncio.get_running_loop().create_task(self._serve(accepted))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, accepted: socket.socket) -> None:
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
+            client = await asyncio.open_connection(sock=accepted)
+            self._pending.discard(accepted)
             upstream = await asyncio.open_connection(*self._upstream)
         except (OSError, asyncio.CancelledError):  # the server is gone, or the proxy is closing
-            writer.transport.abort()
+            if client is None:
+                self._pending.discard(accepted)
+                accepted.close()
+            else:
+                client[1].transport.abort()
             self.closed += 1
             self._notify()
             return
-        connection = _Connection((reader, writer), upstream, delays=self._delays, notify=self._notify)
+        connection = _Connection(client, upstream, delays=self._delays, notify=self._notify)
         connection.task = cast("asyncio.Task[None]", asyncio.current_task())
         self._open.add(connection)
         self._notify()

@@ -281,7 +281,8 @@ async def test_fair_and_locked_semaphores_of_one_name_share_permits(client: redi
 async def test_repr_shows_the_configuration(make: Callable[..., Semaphore]) -> None:
     sem = make(name="api", limit=5, timeout=30, blocking_timeout=2)
     assert repr(sem) == (
-        f"{type(sem).__name__}(name='api', limit=5, timeout=30, blocking_timeout=2.0, key='aiosem:{{api}}')"
+        f"{type(sem).__name__}(name='api', limit=5, timeout=30, blocking_timeout=2.0, "
+        "waiter_timeout=2, key='aiosem:{api}')"
     )
 
 

@@ -154,16 +154,16 @@ local function aiosem_hand_off(free, now, lease, waiter_ttl, caller, channels, g
   end
 end
 
--- An idle semaphore leaves nothing behind but its counter: every set expires
--- once no entry in it can still be live.
-local function aiosem_expire(lease, waiter_ttl)
-  local lease_ms = math.ceil(lease * 1000) + 1000
+-- The queue's keys expire once no waiter in them can still be alive. (The
+-- permit sets get no TTL: a book client's write would not extend it.) NX
+-- sets a TTL on a key that has none; GT only ever lengthens one, so a caller
+-- with a shorter waiter timeout never cuts another's waiters short.
+local function aiosem_expire(waiter_ttl)
   local waiter_ms = math.ceil(waiter_ttl * 1000) + 1000
-  redis.call('PEXPIRE', TIMEOUTS, lease_ms)
-  redis.call('PEXPIRE', OWNERS, lease_ms)
-  redis.call('PEXPIRE', QUEUE, waiter_ms)
-  redis.call('PEXPIRE', WAITERS, waiter_ms)
-  redis.call('PEXPIRE', TICKETS, waiter_ms)
+  for _, key in ipairs({QUEUE, WAITERS, TICKETS}) do
+    redis.call('PEXPIRE', key, waiter_ms, 'NX')
+    redis.call('PEXPIRE', key, waiter_ms, 'GT')
+  end
 end
 
 -- The header every script returns first.
@@ -214,7 +214,7 @@ local function aiosem_run(operation, hand_off_first)
   if not hand_off_first then
     hand_off()
   end
-  aiosem_expire(state.lease, state.waiter_ttl)
+  aiosem_expire(state.waiter_ttl)
   local reply = aiosem_header(state.now, state.lease)
   for _, result in ipairs(results) do
     reply[#reply + 1] = result
