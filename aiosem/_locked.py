@@ -6,11 +6,13 @@ import logging
 import math
 import re
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
 from ._connection import Command, PinnedConnection, pinned_connection
+from ._coordination import Lane, Submission
 from ._semaphore import Operation, Reply, _Semaphore
 from ._validation import check_timeout
 
@@ -70,7 +72,7 @@ class AsyncLockedSemaphore(_Semaphore):
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_lock_ms", "_tickets")
+    __slots__ = ("_lock_ms", "_ticket_lane", "_tickets")
 
     def __init__(
         self,
@@ -96,8 +98,25 @@ class AsyncLockedSemaphore(_Semaphore):
             waiter_timeout=waiter_timeout,
         )
         self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
-        #: The tickets of waiters whose first try found the lock busy.
+        #: The tickets of waiters not yet queued.
         self._tickets: dict[bytes, int] = {}
+        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
+
+    async def _arrive(self, identifier: str) -> None:
+        # A waiter's place is taken when it arrives, before it meets the lock:
+        # however long the lock keeps it, nobody who came later gets ahead.
+        # The tickets of a process's concurrent arrivals are drawn together.
+        (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
+        self._tickets[identifier.encode()] = ticket
+
+    async def _draw_tickets(self, identifiers: Sequence[str]) -> _Tickets:
+        waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.incrby(self._keys.tickets, len(identifiers))
+            pipe.pexpire(self._keys.tickets, waiter_ms, nx=True)
+            pipe.pexpire(self._keys.tickets, waiter_ms, gt=True)
+            last, _, _ = await pipe.execute()
+        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
 
     def _forget(self, identifier: str) -> None:
         self._tickets.pop(identifier.encode(), None)
@@ -110,9 +129,9 @@ class AsyncLockedSemaphore(_Semaphore):
         # The queue is read only as far as a step can reach: its head, its
         # earliest presumed deaths, and the step's own identifiers.
         window = self._limit + len(members) + _QUEUE_WINDOW
-        # A waiter's place in the queue is its ticket, taken outside the lock
-        # on its first try and kept through retries: waiting out a busy lock
-        # never costs it its place.
+        # A waiter's place in the queue is its ticket, drawn outside the lock
+        # when it arrived (or here, for one queued again) and kept through
+        # retries: waiting out a busy lock never costs it its place.
         unticketed = [m for m in members if m not in self._tickets] if mode == "wait" else []
         reads: list[Command] = []
         if unticketed:
@@ -200,6 +219,11 @@ class AsyncLockedSemaphore(_Semaphore):
                         await connection.batch(("UNWATCH",))
             except Exception:
                 logger.warning("could not free the lock of %r; it expires by itself", self, exc_info=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Tickets:
+    values: tuple[int, ...]
 
 
 class _Plan:

@@ -255,6 +255,9 @@ class _Semaphore(ABC):
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
+    async def _arrive(self, identifier: str) -> None:  # noqa: B027 -- a hook: a script queues on arrival
+        """Note a blocking acquire's arrival, before its first step."""
+
     def _forget(self, identifier: str) -> None:  # noqa: B027 -- a hook: the fair strategy keeps nothing
         """Drop what a strategy keeps about an identifier whose acquire ended."""
 
@@ -492,6 +495,7 @@ class _Semaphore(ABC):
             if wait != 0:
                 await self._subscribe()
                 waiter = self._waiters[identifier] = asyncio.get_running_loop().create_future()
+                await self._arrive(identifier)
             (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
             if value == 0 and waiter is not None:
                 self._queued.add(identifier)
@@ -579,7 +583,7 @@ class _Semaphore(ABC):
         return token > 0
 
     async def count(self) -> int:
-        """Return how many permits are held now.
+        """Return how many permits are held now, in all processes.
 
         Like every step, it first reaps expired permits and dead waiters and
         hands what is free to the queue.
@@ -587,24 +591,21 @@ class _Semaphore(ABC):
         Raises:
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
+            RuntimeError: The semaphore is in use by another event loop.
             redis.RedisError: Redis failed or could not be reached.
         """
-        _, reply = await self._submit("acquire", "count", ())
-        return reply.holders
+        return (await self._census()).holders
 
     async def waiting(self) -> int:
         """Return how many waiters are queued now, in all processes.
 
-        Like every step, it first reaps expired permits and dead waiters and
-        hands what is free to the queue.
-
-        Raises:
-            SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
-                for a whole lease.
-            redis.RedisError: Redis failed or could not be reached.
+        A step like `count`, and raises what it raises.
         """
+        return (await self._census()).waiting
+
+    async def _census(self) -> Reply:
         _, reply = await self._submit("acquire", "count", ())
-        return reply.waiting
+        return reply
 
     async def holders(self) -> dict[str, float]:
         """Return the live holders' identifiers, each with the seconds left of its lease.

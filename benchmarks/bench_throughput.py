@@ -307,7 +307,7 @@ async def run_all(port: int, duration: float, warmup: float) -> tuple[list[Scena
 # --- the report ------------------------------------------------------------
 
 
-def markdown_table(results: Sequence[ScenarioResult]) -> str:
+def results_table(results: Sequence[ScenarioResult]) -> str:
     header = ("scenario", "coroutines", "cycles/s", "vs raw", "acquire p50 ms", "acquire p99 ms")
     rows = [
         (
@@ -320,6 +320,11 @@ def markdown_table(results: Sequence[ScenarioResult]) -> str:
         )
         for result in results
     ]
+    return markdown_table(header, rows)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table, the first column left-aligned and the others right."""
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
@@ -376,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results, commands = asyncio.run(run_all(server.port, args.duration, args.warmup))
 
     print()
-    print(markdown_table(results))
+    print(results_table(results))
     print()
     if ping is None:
         print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")

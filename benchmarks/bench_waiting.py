@@ -10,8 +10,9 @@ each on a fresh private ``redis-server`` (limit 1 throughout):
   calls after the same idle pause), and a plain PUBLISH to an idle listener in
   the other process -- which any hand-off that wakes a process pays.
 * ``fairness``: 20 waiters arrive 5 ms apart from two processes in turn; each
-  takes a ticket (INCR) right before calling ``acquire`` and another right
-  after it returns. Grants out of arrival order are inversions. Meanwhile a
+  notes when it calls ``acquire`` (``time.perf_counter``, one clock for all
+  processes on Linux) and takes a ticket (INCR) right after it returns.
+  Grants out of the order of the calls are inversions. Meanwhile a
   third task calls ``acquire(blocking=False)`` every millisecond: a success
   while a waiter is queued jumps the queue.
 * ``crash``: (a) a holder process is SIGKILLed; how long past its lease a
@@ -57,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, package_version, percentile
+from bench_throughput import HOST, markdown_table, package_version, percentile
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from tests.support import RedisServer, find_redis_server
@@ -504,7 +505,7 @@ async def probe_nowait(
 
 def inverted_pairs(waiters: Sequence[Message]) -> list[tuple[Message, Message]]:
     """Pairs (earlier arrival, later arrival) granted the other way round."""
-    ordered = sorted(waiters, key=lambda waiter: waiter["arrival"])
+    ordered = sorted(waiters, key=lambda waiter: waiter["called"])
     return [
         (first, second)
         for i, first in enumerate(ordered)
@@ -550,7 +551,7 @@ async def measure_fairness(port: int, kind: Kind, runs: int) -> FairnessResult:
                     raise RuntimeError(f"run {run}: a waiter got no permit within {STEP_TIMEOUT:g} s")
                 if run == 0:
                     continue
-                ordered = sorted(waiters, key=lambda waiter: waiter["arrival"])
+                ordered = sorted(waiters, key=lambda waiter: waiter["called"])
                 displaced = sum(1 for position, waiter in enumerate(ordered, 1) if waiter["grant"] != position)
                 inverted = inverted_pairs(waiters)
                 runs_with_inversions += displaced > 0
@@ -777,20 +778,6 @@ async def measure_idle(port: int, kind: Kind, waiters: int, window: float) -> Id
 
 
 # --- the report ------------------------------------------------------------
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = (
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        )
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join("-" * (width + 1) + (":" if i else "-") for i, width in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
 def verdict(met: bool) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import fakeredis
 import pytest
 
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from tests.proxy import TcpProxy
 from tests.support import FakeClock, RedisServer, find_redis_server
 
@@ -72,6 +73,12 @@ async def client(request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.
         connection = fakeredis.FakeAsyncRedis()
     yield connection
     await connection.aclose()
+
+
+@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+def cls(request: pytest.FixtureRequest) -> type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]:
+    """Each semaphore class in turn: every contract test runs on both."""
+    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture

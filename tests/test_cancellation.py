@@ -37,11 +37,6 @@ Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 WAIT = 5.0
 
 
-@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture
 def granting_command(cls: SemaphoreClass) -> bytes:
     """The command whose execution grants a permit: the fair script, or the locked step's transaction."""

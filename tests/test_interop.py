@@ -33,11 +33,6 @@ SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 LEASE = 10
 
 
-@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
-    return request.param  # type: ignore[no-any-return]
-
-
 async def members(client: redis.asyncio.Redis, key: str) -> set[str]:
     found = await client.zrange(key, 0, -1)
     assert all(isinstance(member, bytes) for member in found)

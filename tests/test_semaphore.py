@@ -22,11 +22,6 @@ SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 
 
-@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture
 def make(cls: SemaphoreClass, client: redis.asyncio.Redis) -> Callable[..., Semaphore]:
     def make(name: str = "sem", limit: int = 2, **options: object) -> Semaphore:

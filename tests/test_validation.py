@@ -92,11 +92,6 @@ BAD_WAITS = [
 ]
 
 
-@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
-    return request.param  # type: ignore[no-any-return]
-
-
 async def assert_untouched(client: redis.asyncio.Redis) -> None:
     assert await client.keys("*") == []
 

@@ -24,11 +24,6 @@ Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 BOUND = 10.0
 
 
-@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-def cls(request: pytest.FixtureRequest) -> SemaphoreClass:
-    return request.param  # type: ignore[no-any-return]
-
-
 @pytest.fixture
 def make(cls: SemaphoreClass, client: redis.asyncio.Redis) -> Callable[..., Semaphore]:
     """Semaphore objects on one name: each object stands for a process of its own."""
