@@ -357,8 +357,8 @@ class _Semaphore(ABC):
         failures = 0
         try:
             while self._queued or self._claims:
+                due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
                 if not self._claims:
-                    due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
                     self._wake.clear()
                     with anyio.move_on_after(due - loop.time()):
                         await self._wake.wait()
@@ -366,12 +366,17 @@ class _Semaphore(ABC):
                         continue
                 claims, self._claims = self._claims, set()
                 self._claiming |= claims
-                # A claim goes alone, at once; a heartbeat or re-check covers every waiter.
-                identifiers = list(claims) or list(self._queued)
-                if not claims:
+                # A claim goes at once, alone unless a heartbeat or re-check is
+                # due too: then every queued waiter goes with it.
+                everyone = loop.time() >= due
+                identifiers = [*claims, *(i for i in self._queued if i not in claims)] if everyone else list(claims)
+                if everyone:
                     self._recheck_at = None
                 try:
                     values, _ = await self._submit("refresh", "", identifiers)
+                    if everyone:
+                        next_beat = loop.time() + heartbeat
+                    await self._settle(identifiers, values)
                 except Exception:  # never let the pump die: waiters depend on it
                     failures += 1
                     self._claims |= claims & self._claiming
@@ -381,9 +386,6 @@ class _Semaphore(ABC):
                     await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
                     continue
                 failures = 0
-                if not claims:
-                    next_beat = loop.time() + heartbeat
-                await self._settle(identifiers, values)
         finally:
             self._pump = None
 
