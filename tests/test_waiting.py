@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, SemaphoreStatistics, recipes
@@ -291,7 +292,7 @@ async def test_a_stream_of_claims_does_not_starve_the_heartbeat(
         while anyio.current_time() < end:
             waiter_side._claims.add(f"{waiter_side._process}.0000000000000000")
             waiter_side._start_pump()
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         assert await holder_side.waiting() == 1
         tasks.cancel_scope.cancel()
     assert "lost their place" not in caplog.text
