@@ -421,8 +421,8 @@ class _Semaphore(ABC):
                     waiter.set_exception(
                         SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
                     )
-            for identifier in abandoned:
-                await self._give_up(identifier)
+            if abandoned:
+                await self._give_up(*abandoned)
 
     async def _subscribe(self) -> None:
         if self._subscribed:
@@ -530,13 +530,13 @@ class _Semaphore(ABC):
             await self._give_up(identifier)
         return None
 
-    async def _give_up(self, identifier: str) -> None:
+    async def _give_up(self, *identifiers: str) -> None:
         """Leave the queue, give back any permit, and refuse a grant still on its way."""
-        self._claims.discard(identifier)
-        self._claiming.discard(identifier)
+        self._claims.difference_update(identifiers)
+        self._claiming.difference_update(identifiers)
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
             try:
-                await self._submit("release", "cancel", (identifier,))
+                await self._submit("release", "cancel", identifiers)
             except Exception:
                 logger.warning("could not give back what an interrupted acquire of %r took", self, exc_info=True)
 

@@ -43,12 +43,10 @@ class Backoff:
         self._ceiling = _FIRST_PAUSE
         self._longest = longest
 
-    async def pause(self, deadline: Deadline, *, wake_by: float | None = None) -> None:
-        """Sleep for the next pause, cut short by ``deadline`` and ``wake_by`` seconds."""
+    async def pause(self, deadline: Deadline) -> None:
+        """Sleep for the next pause, cut short by ``deadline``."""
         pause = random.uniform(self._ceiling / 2, self._ceiling)  # noqa: S311 -- jitter, not secrets
         self._ceiling = min(self._ceiling * 2, self._longest)
-        if wake_by is not None:
-            pause = min(pause, wake_by)
         remaining = deadline.remaining()
         if remaining is not None:
             pause = min(pause, remaining)
