@@ -338,6 +338,21 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
+def environment(redis_server: object) -> dict[str, object]:
+    """What a result depends on besides aiosem's code: when, where, and with which versions."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "aiosem": package_version("aiosem"),
+        "redis_py": redis.__version__,
+        "hiredis": package_version("hiredis"),
+        "redis_server": redis_server,
+    }
+
+
 def package_version(name: str) -> str | None:
     try:
         return version(name)
@@ -394,15 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.json is not None:
         report = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "aiosem": package_version("aiosem"),
-            "redis_py": redis.__version__,
-            "hiredis": package_version("hiredis"),
-            "redis_server": server.version,
+            **environment(server.version),
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "limit": LIMIT,

@@ -43,14 +43,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
@@ -58,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, markdown_table, package_version, percentile
+from bench_throughput import HOST, environment, markdown_table, percentile
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from tests.support import RedisServer, find_redis_server
@@ -1015,15 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.json is not None:
         report = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "aiosem": package_version("aiosem"),
-            "redis_py": redis.__version__,
-            "hiredis": package_version("hiredis"),
-            "redis_server": sorted(versions),
+            **environment(sorted(versions)),
             "quick": args.quick,
             "plan": asdict(plan),
             "handoff": [asdict(result) for result in handoff],
