@@ -81,36 +81,47 @@ local function aiosem_touch_all(key, score, members)
   end
 end
 
--- Remove every permit whose lease ran out from both sets, and return how
--- many. A book client writes the two sets in separate steps, and eviction
--- may take one set and not the other, so afterwards drop any member that is
--- in one set only: an owner entry without a lease would hold a permit
--- forever, a lease without an owner entry counts for nothing. (ZINTERCARD
--- needs Redis 7.)
-local function aiosem_reap(timeout_set, owner_set, cutoff)
-  local before = redis.call('ZCARD', owner_set)
-  local expired = redis.call('ZRANGEBYSCORE', timeout_set, '-inf', aiosem_seconds(cutoff))
-  if #expired > 0 then
-    aiosem_zrem_all(timeout_set, expired)
-    aiosem_zrem_all(owner_set, expired)
+-- ZREM of many members, answering how many were removed.
+local function aiosem_zrem_counted(key, members)
+  local removed = 0
+  for i = 1, #members, 1000 do
+    removed = removed + redis.call('ZREM', key, unpack(members, i, math.min(i + 999, #members)))
   end
-  local held = redis.call('ZCARD', owner_set)
-  if held ~= redis.call('ZCARD', timeout_set)
-      or (held > 0 and redis.call('ZINTERCARD', 2, owner_set, timeout_set) ~= held) then
-    redis.call('ZINTERSTORE', owner_set, 2, owner_set, timeout_set, 'WEIGHTS', 1, 0)
-    redis.call('ZINTERSTORE', timeout_set, 2, timeout_set, owner_set, 'WEIGHTS', 1, 0)
-  end
-  return before - redis.call('ZCARD', owner_set)
+  return removed
 end
 
--- Forget waiters that stopped proving they are alive, and old tombstones.
+-- Remove every permit whose lease ran out from both sets, and return how
+-- many were freed and how many are held. A book client writes the two sets
+-- in separate steps, and eviction may take one set and not the other, so
+-- afterwards drop any member that is in one set only: an owner entry
+-- without a lease would hold a permit forever, a lease without an owner
+-- entry counts for nothing. (ZINTERCARD needs Redis 7.)
+local function aiosem_reap(timeout_set, owner_set, cutoff)
+  local before = redis.call('ZCARD', owner_set)
+  local leases = redis.call('ZCARD', timeout_set)
+  local expired = redis.call('ZRANGEBYSCORE', timeout_set, '-inf', aiosem_seconds(cutoff))
+  local held = before
+  if #expired > 0 then
+    leases = leases - aiosem_zrem_counted(timeout_set, expired)
+    held = held - aiosem_zrem_counted(owner_set, expired)
+  end
+  if held ~= leases or (held > 0 and redis.call('ZINTERCARD', 2, owner_set, timeout_set) ~= held) then
+    redis.call('ZINTERSTORE', owner_set, 2, owner_set, timeout_set, 'WEIGHTS', 1, 0)
+    redis.call('ZINTERSTORE', timeout_set, 2, timeout_set, owner_set, 'WEIGHTS', 1, 0)
+    held = redis.call('ZCARD', owner_set)
+  end
+  return before - held, held
+end
+
+-- Forget waiters that stopped proving they are alive; return how many are
+-- left in the queue.
 local function aiosem_reap_waiters(now)
   local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(now))
   if #dead > 0 then
     aiosem_zrem_all(QUEUE, dead)
     aiosem_zrem_all(WAITERS, dead)
   end
-  redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(now))
+  return redis.call('ZCARD', QUEUE)
 end
 
 local function aiosem_owner(identifier)
@@ -123,20 +134,18 @@ end
 -- handed to another process's waiter lasts only a waiter TTL until that
 -- process claims it with a refresh: a waiter that died while queued never
 -- holds the line for a whole lease.
-local function aiosem_hand_off(free, now, lease, waiter_ttl, caller, channels, granted)
-  if free <= 0 then
+local function aiosem_hand_off(free, state, granted)
+  if free <= 0 or state.queued == 0 then
     return
   end
+  local now, lease, waiter_ttl = state.now, state.lease, state.waiter_ttl
   local heads = redis.call('ZRANGE', QUEUE, 0, free - 1)
-  if #heads == 0 then
-    return
-  end
   local messages = {}
   for _, identifier in ipairs(heads) do
     local token = redis.call('INCR', COUNTER)
     local owner = aiosem_owner(identifier)
     local stamp = now
-    if owner ~= caller then
+    if owner ~= state.caller then
       stamp = now - lease + math.min(waiter_ttl, lease)
       if owner then
         messages[owner] = (messages[owner] or '') .. identifier .. ':' .. token .. ' '
@@ -149,38 +158,52 @@ local function aiosem_hand_off(free, now, lease, waiter_ttl, caller, channels, g
   end
   aiosem_zrem_all(QUEUE, heads)
   aiosem_zrem_all(WAITERS, heads)
+  state.holders = state.holders + #heads
+  state.queued = state.queued - #heads
   for owner, text in pairs(messages) do
-    redis.call('PUBLISH', channels .. owner, text)
+    redis.call('PUBLISH', state.channels .. owner, text)
   end
 end
 
--- The queue's keys expire once no waiter in them can still be alive. (The
--- permit sets get no TTL: a book client's write would not extend it.) NX
--- sets a TTL on a key that has none; GT only ever lengthens one, so a caller
--- with a shorter waiter timeout never cuts another's waiters short.
+-- How much longer than a waiter TTL the queue's keys outlive the last
+-- waiter written to them, and how much of that margin may run down before
+-- their TTL is pushed out again (so that most calls only read it).
+local EXPIRE_MARGIN_MS = 1000
+local EXPIRE_SLACK_MS = 500
+
+-- The queue's keys expire once no waiter in them can still be alive; called
+-- by every step that queues a waiter or proves one alive. (The permit sets
+-- get no TTL: a book client's write would not extend it.) A TTL is only
+-- ever lengthened, so a caller with a shorter waiter timeout never cuts
+-- another's waiters short.
 local function aiosem_expire(waiter_ttl)
-  local waiter_ms = math.ceil(waiter_ttl * 1000) + 1000
+  local waiter_ms = math.ceil(waiter_ttl * 1000) + EXPIRE_MARGIN_MS
   for _, key in ipairs({QUEUE, WAITERS, TICKETS}) do
-    redis.call('PEXPIRE', key, waiter_ms, 'NX')
-    redis.call('PEXPIRE', key, waiter_ms, 'GT')
+    local ttl = redis.call('PTTL', key)
+    if ttl == -1 or (ttl >= 0 and ttl < waiter_ms - EXPIRE_SLACK_MS) then
+      redis.call('PEXPIRE', key, waiter_ms)
+    end
   end
 end
 
 -- The header every script returns first.
-local function aiosem_header(now, lease)
+local function aiosem_header(state)
   local first = redis.call('ZRANGE', TIMEOUTS, 0, 0, 'WITHSCORES')
   local next_expiry = -1
   if first[2] then
-    next_expiry = math.max(0, math.floor((tonumber(first[2]) + lease - now) * 1000000))
+    next_expiry = math.max(0, math.floor((tonumber(first[2]) + state.lease - state.now) * 1000000))
   end
-  return {redis.call('ZCARD', OWNERS), redis.call('ZCARD', QUEUE), next_expiry}
+  return {state.holders, state.queued, next_expiry}
 end
 
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode and `freed` (permits given up
--- by the operation, which matter when the limit is unknown).
+-- carries now, lease, limit, waiter_ttl, mode, `freed` (permits given up
+-- by the operation, which matter when the limit is unknown), the counts
+-- `holders` and `queued`, which every write keeps up to date, and
+-- `waiters_written`, which an operation sets when it queues a waiter or
+-- proves one alive.
 local function aiosem_run(operation, hand_off_first)
   local state = {
     now = aiosem_now(ARGV[1]),
@@ -190,17 +213,17 @@ local function aiosem_run(operation, hand_off_first)
     caller = ARGV[5],
     channels = ARGV[6],
     mode = ARGV[7],
-    freed = 0,
+    waiters_written = false,
   }
-  state.freed = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
-  aiosem_reap_waiters(state.now)
+  state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
+  state.queued = aiosem_reap_waiters(state.now)
   local granted = {}
   local function hand_off()
     local free = state.freed
     if state.limit then
-      free = state.limit - redis.call('ZCARD', OWNERS)
+      free = state.limit - state.holders
     end
-    aiosem_hand_off(free, state.now, state.lease, state.waiter_ttl, state.caller, state.channels, granted)
+    aiosem_hand_off(free, state, granted)
     state.freed = 0
   end
   if hand_off_first then
@@ -214,8 +237,10 @@ local function aiosem_run(operation, hand_off_first)
   if not hand_off_first then
     hand_off()
   end
-  aiosem_expire(state.waiter_ttl)
-  local reply = aiosem_header(state.now, state.lease)
+  if state.waiters_written then
+    aiosem_expire(state.waiter_ttl)
+  end
+  local reply = aiosem_header(state)
   for _, result in ipairs(results) do
     reply[#reply + 1] = result
   end

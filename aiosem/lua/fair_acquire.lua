@@ -22,12 +22,14 @@ local function acquire(identifier, state)
   end
   if redis.call('ZSCORE', QUEUE, identifier) then
     redis.call('ZADD', WAITERS, 'XX', aiosem_seconds(state.now + state.waiter_ttl), identifier)
+    state.waiters_written = true
     return 0
   end
-  if redis.call('ZCARD', QUEUE) == 0 and redis.call('ZCARD', OWNERS) < state.limit then
+  if state.queued == 0 and state.holders < state.limit then
     token = redis.call('INCR', COUNTER)
     redis.call('ZADD', OWNERS, token, identifier)
     redis.call('ZADD', TIMEOUTS, stamp, identifier)
+    state.holders = state.holders + 1
     return token
   end
   if state.mode ~= 'wait' then
@@ -35,6 +37,8 @@ local function acquire(identifier, state)
   end
   redis.call('ZADD', QUEUE, redis.call('INCR', TICKETS), identifier)
   redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
+  state.queued = state.queued + 1
+  state.waiters_written = true
   return 0
 end
 

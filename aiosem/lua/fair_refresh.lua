@@ -27,6 +27,9 @@ return aiosem_run(function(identifiers, state)
     end
   end
   aiosem_touch_all(TIMEOUTS, aiosem_seconds(state.now), holders)
-  aiosem_touch_all(WAITERS, aiosem_seconds(state.now + state.waiter_ttl), waiters)
+  if #waiters > 0 then
+    aiosem_touch_all(WAITERS, aiosem_seconds(state.now + state.waiter_ttl), waiters)
+    state.waiters_written = true
+  end
   return results
 end, false)

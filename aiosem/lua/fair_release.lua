@@ -12,12 +12,16 @@ local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
     state.freed = state.freed + 1
+    state.holders = state.holders - 1
     return 1
   end
   if state.mode == 'cancel' then
     if redis.call('ZREM', QUEUE, identifier) == 1 then
       redis.call('ZREM', WAITERS, identifier)
+      state.queued = state.queued - 1
     else
+      -- Old tombstones go whenever a new one is written.
+      redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
       redis.call('ZADD', CANCELLED, aiosem_seconds(state.now + TOMBSTONE_SECONDS), identifier)
       redis.call('PEXPIRE', CANCELLED, (TOMBSTONE_SECONDS + 1) * 1000)
     end
