@@ -8,18 +8,29 @@ and write in another.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 from redis.exceptions import ResponseError
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
     from redis.asyncio import Redis
     from redis.asyncio.connection import AbstractConnection
 
-Command = Sequence[str | bytes | int | float]
+Command = tuple[str | bytes | int | float, ...]
+
+try:
+    # redis.asyncio packs commands in Python: several times slower than this,
+    # which matters to steps of twenty commands. The output is the same for
+    # the UTF-8 clients it is used with.
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover -- hiredis comes with aiosem's dependencies
+    _hiredis_pack = None  # type: ignore[assignment]
+
+_UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
 
 
 class PinnedConnection:
@@ -37,6 +48,13 @@ class PinnedConnection:
         encoded: bytes = self._connection.encoder.encode(value)  # type: ignore[no-untyped-call]
         return encoded
 
+    def _pack(self, commands: Sequence[Command]) -> list[bytes]:
+        encoder = self._connection.encoder
+        if _hiredis_pack is not None and encoder.encoding.lower() in _UTF8 and encoder.encoding_errors == "strict":
+            # hiredis's stub types the argument as a tuple of one element.
+            return [b"".join([_hiredis_pack(command) for command in commands])]  # type: ignore[arg-type]
+        return self._connection.pack_commands(commands)
+
     async def batch(self, *commands: Command) -> list[Any]:
         """Send ``commands`` in one write and return their raw replies in order.
 
@@ -49,7 +67,7 @@ class PinnedConnection:
             redis.RedisError: The connection failed.
         """
         connection = self._connection
-        await connection.send_packed_command(connection.pack_commands(commands))
+        await connection.send_packed_command(self._pack(commands))
         replies: list[Any] = []
         for _ in commands:
             try:

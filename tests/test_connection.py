@@ -1,0 +1,41 @@
+"""The pinned connection that Lua-free steps write whole batches to."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+import redis.asyncio
+
+from aiosem import AsyncLockedSemaphore
+from aiosem._connection import Command, PinnedConnection
+
+if TYPE_CHECKING:
+    from tests.support import RedisServer
+
+COMMANDS: list[Command] = [
+    ("SET", "aiosem:{café}:lock", "e0f1", "NX", "PX", 1000),
+    ("ZADD", "aiosem:{café}", "1700000000.123456", b"\x00\xff member"),
+    ("ZRANGE", "k", 0, -1, "WITHSCORES"),
+    ("INCRBY", "k", 10**20),
+    ("ZADD", "k", -1.25e-7, "m"),
+    ("TIME",),
+]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_a_batch_is_packed_exactly_as_redis_py_packs_it(encoding: str) -> None:
+    connection = redis.asyncio.Connection(encoding=encoding)
+    packed = PinnedConnection(connection)._pack(COMMANDS)
+    assert b"".join(packed) == b"".join(connection.pack_commands(COMMANDS))
+
+
+async def test_a_client_with_another_encoding_stores_its_keys_in_that_encoding(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port, encoding="latin-1")
+    sem = AsyncLockedSemaphore(client, "encoded-café", 1)
+    permit = await sem.acquire()
+    assert permit is not None
+    assert await client.exists("aiosem:{encoded-café}:owner".encode("latin-1")) == 1
+    assert await client.exists("aiosem:{encoded-café}:owner".encode()) == 0
+    assert await sem.release(permit)
+    await client.aclose()
