@@ -194,8 +194,10 @@ class Subscriber:
 
     async def _read(self) -> None:
         failures = 0
+        task = asyncio.current_task()
         try:
             while self._handlers:
+                raise_if_cancel_swallowed(task)
                 try:
                     message = await self._pubsub.get_message(timeout=_PRUNE_INTERVAL)
                 except redis.ResponseError as error:
@@ -248,6 +250,20 @@ class Subscriber:
             del self._handlers[channel], self._ready[channel]
         if gone:
             await self._pubsub.unsubscribe(*gone)
+
+
+def raise_if_cancel_swallowed(task: asyncio.Task[Any] | None) -> None:
+    """Raise `asyncio.CancelledError` if ``task`` was cancelled and carried on regardless.
+
+    A cancellation that reaches redis-py's read as its own read timeout
+    expires can come back as that timeout -- ``get_message`` then returns
+    ``None`` -- leaving the task asked to cancel but still looping: seen here,
+    under load, as ``asyncio.run`` hanging at exit. Python 3.10 has no
+    ``cancelling()`` to tell.
+    """
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
 
 
 def text(value: Any) -> str:

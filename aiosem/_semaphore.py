@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import anyio
 import redis
 
-from ._coordination import Lane, Submission, Subscriber, text
+from ._coordination import Lane, Submission, Subscriber, raise_if_cancel_swallowed, text
 from ._exceptions import AcquireTimeout, PermitLost, SemaphoreError
 from ._keys import SemaphoreKeys, check_prefix
 from ._timing import Backoff, Deadline
@@ -332,13 +332,15 @@ class _Semaphore(ABC):
     def _on_message(self, message: str) -> None:
         """A permit was handed to some of this object's waiters by another process."""
         for grant in message.split():
-            identifier = grant.partition(":")[0]
-            # The waiter is resolved once its claim is confirmed, so that every
-            # permit acquire() returns has a whole lease. A waiter no longer
+            identifier, _, token = grant.partition(":")
+            # The permit is the waiter's from the grant on: it returns at once,
+            # and the pump claims the whole lease behind it well within the
+            # waiter timeout the grant was stamped with. A waiter no longer
             # here gave up, and its cancel step gives the permit back; one
             # resolved already was claimed by the re-check that resolved it.
             waiter = self._waiters.get(identifier)
-            if waiter is not None and not waiter.done():
+            if waiter is not None and not waiter.done() and token.isdigit():
+                waiter.set_result(int(token))
                 self._claims.add(identifier)
         if self._claims:
             self._start_pump()
@@ -355,8 +357,10 @@ class _Semaphore(ABC):
         heartbeat = self._waiter_ttl / 3
         next_beat = loop.time() + heartbeat
         failures = 0
+        task = asyncio.current_task()
         try:
             while self._queued or self._claims:
+                raise_if_cancel_swallowed(task)
                 due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
                 if not self._claims:
                     self._wake.clear()
@@ -455,12 +459,13 @@ class _Semaphore(ABC):
         to the queue in arrival order, and a non-blocking call never takes
         one while anybody is queued. When a permit frees, the step that frees
         it hands it to the head of the queue at once; the waiter's process
-        hears of it by pub/sub (or at the latest at its next re-check) and
-        claims it in one round trip, so that the permit returned always has
-        a whole lease. ``blocking_timeout`` bounds the wait in the queue; the
-        first blocking call of a semaphore object also subscribes to its
-        channel (at most 5 s), and `AsyncLockedSemaphore` may wait out a busy
-        lock before it is queued.
+        hears of it by pub/sub (or at the latest at its next re-check), and
+        returns it. A permit handed over by another process starts with a
+        lease of ``waiter_timeout``, restarted for a whole ``timeout`` by a
+        claim sent at once in the background. ``blocking_timeout`` bounds
+        the wait in the queue; the first blocking call of a semaphore object
+        also subscribes to its channel (at most 5 s), and
+        `AsyncLockedSemaphore` may wait out a busy lock before it is queued.
 
         Args:
             blocking: Wait for a permit; with ``False``, try once and return.

@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 import pytest
+import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, SemaphoreStatistics, recipes
+from aiosem._scripts import FAIR_REFRESH
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
-    import redis.asyncio
-
+    from tests.proxy import TcpProxy
     from tests.support import FakeClock, RedisServer
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
@@ -296,3 +297,87 @@ async def test_a_stream_of_claims_does_not_starve_the_heartbeat(
         assert await holder_side.waiting() == 1
         tasks.cancel_scope.cancel()
     assert "lost their place" not in caplog.text
+
+
+@pytest.fixture
+async def proxied_waiter_client(proxy: TcpProxy) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client through the proxy with one connection for commands and one for pub/sub."""
+    pool = redis.asyncio.BlockingConnectionPool(host=proxy.host, port=proxy.port, max_connections=2)
+    client = redis.asyncio.Redis(connection_pool=pool)
+    yield client
+    await client.aclose()
+    await pool.aclose()
+
+
+async def handed_over(
+    name: str, waiter_side_client: redis.asyncio.Redis, direct: redis.asyncio.Redis, proxy: TcpProxy
+) -> tuple[AsyncFairSemaphore, AsyncFairSemaphore, Permit]:
+    """A permit handed from one process to another, whose claim the proxy holds."""
+    holder_side = AsyncFairSemaphore(direct, name, 1, timeout=10, waiter_timeout=0.5)
+    waiter_side = AsyncFairSemaphore(waiter_side_client, name, 1, timeout=10, waiter_timeout=0.5)
+    held = await holder_side.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(wait)
+            await wait_until_queued(holder_side, 1)
+            proxy.hold_requests(at=FAIR_REFRESH.sha.encode())  # every claim and heartbeat from now on
+            assert await holder_side.release(held)
+    assert got[0] is not None
+    return holder_side, waiter_side, got[0]
+
+
+async def test_a_permit_handed_over_returns_before_its_claim_and_the_claim_restarts_its_lease(
+    proxy: TcpProxy, proxied_waiter_client: redis.asyncio.Redis, real_client: redis.asyncio.Redis
+) -> None:
+    holder_side, _, permit = await handed_over("claimed", proxied_waiter_client, real_client, proxy)
+    # Returned on the message alone: the permit still has its hand-off lease.
+    assert 0 < (await holder_side.holders())[permit.identifier] <= 0.5
+    with anyio.fail_after(BOUND):
+        await proxy.wait_until(lambda: proxy.held_requests > 0)
+    proxy.release_requests()
+    with anyio.fail_after(BOUND):
+        while (await holder_side.holders())[permit.identifier] <= 0.5:  # noqa: ASYNC110 -- the lease is in Redis
+            await anyio.sleep(0.002)
+    assert (await holder_side.holders())[permit.identifier] > 9
+
+
+async def test_a_claim_that_lands_after_the_waiter_timeout_finds_the_permit_lost(
+    proxy: TcpProxy,
+    proxied_waiter_client: redis.asyncio.Redis,
+    real_client: redis.asyncio.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    holder_side, waiter_side, permit = await handed_over("late-claim", proxied_waiter_client, real_client, proxy)
+    with anyio.fail_after(BOUND):
+        await proxy.wait_until(lambda: proxy.held_requests > 0)
+        # The process stalls past its waiter timeout: the hand-off lease runs out.
+        while await holder_side.count() > 0:  # noqa: ASYNC110 -- the lease is in Redis
+            await anyio.sleep(0.01)
+    proxy.release_requests()
+    with anyio.fail_after(BOUND):
+        while "lost before it was claimed" not in caplog.text:  # noqa: ASYNC110 -- logged by the pump
+            await anyio.sleep(0.002)
+    assert not await waiter_side.release(permit)
+
+
+async def test_the_queue_keys_outlive_the_waiter_with_the_longest_waiter_timeout(
+    cls: SemaphoreClass, client: redis.asyncio.Redis
+) -> None:
+    holder_side = cls(client, "queue", 1, timeout=30)
+    patient = cls(client, "queue", 1, timeout=30, waiter_timeout=20)
+    hasty = cls(client, "queue", 1, timeout=30, waiter_timeout=0.5)
+    assert await holder_side.acquire() is not None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(patient.acquire)
+        await wait_until_queued(holder_side, 1)
+        tasks.start_soon(hasty.acquire)
+        await wait_until_queued(holder_side, 2)
+        for suffix in ("queue", "waiters", "tickets"):
+            assert 20_000 < await client.pttl(f"{holder_side.key}:{suffix}") <= 21_000, suffix
+        tasks.cancel_scope.cancel()
