@@ -10,6 +10,7 @@ from __future__ import annotations
 from importlib.metadata import version as _version
 
 from ._exceptions import AcquireTimeout as AcquireTimeout
+from ._exceptions import LimitMismatch as LimitMismatch
 from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
@@ -21,6 +22,7 @@ __all__ = [
     "AcquireTimeout",
     "AsyncFairSemaphore",
     "AsyncLockedSemaphore",
+    "LimitMismatch",
     "Permit",
     "PermitLost",
     "SemaphoreError",

@@ -4,6 +4,7 @@ Everything aiosem raises on purpose derives from `SemaphoreError`::
 
     SemaphoreError
     ├── AcquireTimeout   (also a TimeoutError)
+    ├── LimitMismatch
     └── PermitLost
 
 Misuse -- a bad argument, a permit handed to the wrong semaphore -- raises the
@@ -15,7 +16,7 @@ by redis-py.
 
 from __future__ import annotations
 
-__all__ = ["AcquireTimeout", "PermitLost", "SemaphoreError"]
+__all__ = ["AcquireTimeout", "LimitMismatch", "PermitLost", "SemaphoreError"]
 
 
 class SemaphoreError(Exception):
@@ -50,6 +51,31 @@ class AcquireTimeout(SemaphoreError, TimeoutError):
         )
         #: How long the caller waited, in seconds.
         self.blocking_timeout = blocking_timeout
+
+
+class LimitMismatch(SemaphoreError):
+    """Another client uses the same semaphore with a different limit.
+
+    The limit is stored with the semaphore while anybody holds or waits, so
+    that two deployments that disagree -- three permits here, five there --
+    are told, rather than silently enforcing neither. The acquire that meets
+    the other limit takes nothing.
+
+    Attributes:
+        name: The name of the semaphore.
+        limit: The limit this client asked for.
+        stored_limit: The limit the semaphore is in use with.
+    """
+
+    def __init__(self, *, name: str, limit: int, stored_limit: int) -> None:
+        super().__init__(
+            f"semaphore {name!r} is in use with limit {stored_limit}; this client asked for {limit}",
+            name=name,
+        )
+        #: The limit this client asked for.
+        self.limit = limit
+        #: The limit the semaphore is in use with.
+        self.stored_limit = stored_limit
 
 
 class PermitLost(SemaphoreError):
