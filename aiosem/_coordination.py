@@ -180,6 +180,20 @@ class Subscriber:
         with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
             await asyncio.shield(ready)
 
+    async def unsubscribe(self, channel: str) -> None:
+        """Stop delivering the messages of ``channel``; the reader ends with the last channel.
+
+        A failure is logged, not raised: the server forgets the subscription
+        with the connection, and the reader prunes it when idle.
+        """
+        if self._ready.pop(channel, None) is None:
+            return
+        del self._handlers[channel]
+        try:
+            await self._pubsub.unsubscribe(channel)
+        except redis.RedisError:
+            logger.debug("unsubscribing from %s failed", channel, exc_info=True)
+
     async def _send_subscribe(self, channel: str, ready: asyncio.Future[None]) -> None:
         try:
             await self._pubsub.subscribe(channel)

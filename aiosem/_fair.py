@@ -102,6 +102,13 @@ class AsyncFairSemaphore(_Semaphore):
             answering keeps its place, in seconds (at most ``timeout``;
             default: the smaller of 2 s and ``timeout``). Each process proves
             its waiters alive three times per ``waiter_timeout``.
+        refresh_interval: How often a permit held through ``async with`` (or
+            taken with ``acquire(auto_refresh=True)``) is refreshed, in
+            seconds; less than ``timeout``, default a third of it.
+        on_lost: If set, a permit lost under an ``async with`` body calls
+            ``on_lost(PermitLost)`` (in a background task: it must not
+            block) and the body runs on, instead of being cancelled; the
+            block still raises `PermitLost` as it ends.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).

@@ -84,6 +84,11 @@ class SemaphoreKeys:
         return f"{self.base}:tickets"
 
     @property
+    def limit(self) -> str:
+        """The limit the semaphore is in use with, while anybody holds or waits."""
+        return f"{self.base}:limit"
+
+    @property
     def channels(self) -> str:
         """The prefix of the wake-up channels; a process's channel is this plus its token."""
         return f"{self.base}:wake:"
@@ -93,7 +98,7 @@ class SemaphoreKeys:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str, str, str, str, str]:
+    def fair(self) -> tuple[str, str, str, str, str, str, str, str]:
         """The keys every fair script takes, in order."""
         return (
             self.timeout_set,
@@ -103,4 +108,5 @@ class SemaphoreKeys:
             self.waiters,
             self.cancelled,
             self.tickets,
+            self.limit,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -13,7 +14,7 @@ import anyio
 
 from ._connection import Command, PinnedConnection, pinned_connection
 from ._coordination import Lane, Submission
-from ._semaphore import Operation, Reply, _Semaphore
+from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from ._keys import SemaphoreKeys
+    from ._semaphore import LostCallback
 
 __all__ = ["AsyncLockedSemaphore"]
 
@@ -29,6 +31,8 @@ logger = logging.getLogger("aiosem")
 
 #: How long freeing the lock of an interrupted step may take.
 _UNLOCK_TIMEOUT: Final = 2.0
+#: Unlocks under way after failed steps (a task must be referenced to run).
+_UNLOCKING: set[asyncio.Task[None]] = set()
 
 
 class AsyncLockedSemaphore(_Semaphore):
@@ -64,6 +68,9 @@ class AsyncLockedSemaphore(_Semaphore):
             `AsyncFairSemaphore`).
         waiter_timeout: How long a queued waiter whose process stopped
             answering keeps its place (see `AsyncFairSemaphore`).
+        refresh_interval: How often permits held through ``async with``
+            are refreshed (see `AsyncFairSemaphore`).
+        on_lost: Notify instead of cancelling (see `AsyncFairSemaphore`).
         lock_timeout: How long the step lock lives if its holder dies
             mid-step, in seconds: the longest a crash can stall the others.
 
@@ -85,6 +92,8 @@ class AsyncLockedSemaphore(_Semaphore):
         prefix: str = "aiosem",
         clock: Callable[[], float] | None = None,
         waiter_timeout: float | None = None,
+        refresh_interval: float | None = None,
+        on_lost: LostCallback | None = None,
         lock_timeout: float = 1.0,
     ) -> None:
         super().__init__(
@@ -96,6 +105,8 @@ class AsyncLockedSemaphore(_Semaphore):
             prefix=prefix,
             clock=clock,
             waiter_timeout=waiter_timeout,
+            refresh_interval=refresh_interval,
+            on_lost=on_lost,
         )
         self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
         #: The tickets of waiters not yet queued.
@@ -141,7 +152,7 @@ class AsyncLockedSemaphore(_Semaphore):
         reads += [
             ("SET", keys.lock, owner, "NX", "PX", self._lock_ms),
             # Not the tickets: others take theirs outside the lock.
-            ("WATCH", keys.lock, *keys.fair[:6]),
+            ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
@@ -152,14 +163,17 @@ class AsyncLockedSemaphore(_Semaphore):
         reads.extend(
             ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
         )
+        reads.append(("GET", keys.limit))
         if now is None:
             reads.append(("TIME",))
-        # Until a reply says otherwise, the lock may be ours: a compare-and-delete
-        # with our own owner value is safe even if the SET never happened.
-        locked = True
+        # Once the batch may have been sent, and until a reply says otherwise,
+        # the lock may be ours: a compare-and-delete with our own owner value
+        # is safe even if the SET never happened.
+        locked = False
         committed: Any = None
         try:
             async with pinned_connection(self._client) as connection:
+                locked = True
                 replies = await connection.batch(*reads)
                 if unticketed:
                     last = int(replies[0])
@@ -170,7 +184,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     locked = False
                     await connection.batch(("UNWATCH",))
                     return None
-                now = _parse_time(replies[11]) if now is None else now
+                now = _parse_time(replies[12]) if now is None else now
 
                 def scores(reply: Any) -> dict[bytes, float]:
                     pairs = zip(members, reply if members else (), strict=True)
@@ -192,6 +206,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     queued=scores(replies[8]),
                     alive_until=scores(replies[9]),
                     cancelled={member for member, until in scores(replies[10]).items() if until > now},
+                    stored_limit=None if replies[11] is None else int(replies[11]),
                     tickets=self._tickets,
                 )
                 reply = plan.run(operation, mode, members)
@@ -200,9 +215,16 @@ class AsyncLockedSemaphore(_Semaphore):
                 if not locked:
                     for member in members:
                         self._tickets.pop(member, None)
-        finally:
+        except BaseException:
             if locked:
-                await self._unlock(owner)
+                # Freed in the background: a step failing because Redis is out
+                # of reach must fail now, not after the unlock gives up too.
+                unlocking = asyncio.get_running_loop().create_task(self._unlock(owner))
+                _UNLOCKING.add(unlocking)
+                unlocking.add_done_callback(_UNLOCKING.discard)
+            raise
+        if locked:
+            await self._unlock(owner)
         return None if committed is None else reply
 
     async def _unlock(self, owner: str) -> None:
@@ -253,6 +275,7 @@ class _Plan:
         queued: dict[bytes, float],
         alive_until: dict[bytes, float],
         cancelled: set[bytes],
+        stored_limit: int | None,
         tickets: dict[bytes, int],
     ) -> None:
         self.keys = keys
@@ -264,11 +287,15 @@ class _Plan:
         self.caller = caller.encode()
         self.initial_counter = self.counter = counter
         self.cancelled = cancelled
+        self.stored_limit = stored_limit
+        self.mismatch = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
         self.refreshed_holders: list[bytes] = []
         self.refreshed_waiters: list[bytes] = []
-        cutoff = now - lease
+        # Compared as the scripts compare: with the bound as sent to Redis,
+        # rounded to the microsecond.
+        cutoff = float(_seconds(now - lease))
         dead = {member for member, score in leases.items() if score <= cutoff}
         leases = {member: score for member, score in leases.items() if member not in dead}
         owners = {member: score for member, score in owners.items() if member not in dead}
@@ -278,7 +305,8 @@ class _Plan:
         self.owners = {member: int(score) for member, score in owners.items() if member not in strays}
         if dead:
             self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
-        gone = {member for member, until in (*earliest_deaths.items(), *alive_until.items()) if until <= now}
+        presumed_dead = float(_seconds(now))
+        gone = {member for member, until in (*earliest_deaths.items(), *alive_until.items()) if until <= presumed_dead}
         if gone:
             self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
         self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(now)))
@@ -288,18 +316,29 @@ class _Plan:
 
     def run(self, operation: Operation, mode: str, members: Sequence[bytes]) -> Reply:
         act = {"acquire": self._acquire, "release": self._release, "refresh": self._refresh}[operation]
+        keys = self.keys
         if operation == "acquire":
             self._hand_off()
+            # Another limit counts only while somebody holds or waits under it.
+            self.mismatch = bool(
+                members
+                and self.stored_limit is not None
+                and self.stored_limit != self.limit
+                and (self.owners or self.queue_size > 0)
+            )
         values = [act(member, mode) for member in members]
+        if operation == "acquire" and members and not self.mismatch and self.stored_limit != self.limit:
+            self.writes.append(("SET", keys.limit, self.limit))
         self._write_refreshes()
         if operation != "acquire":
             self._hand_off()
-        keys = self.keys
         if self.counter > self.initial_counter:
             self.writes.insert(0, ("INCRBY", keys.counter, self.counter - self.initial_counter))
         waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
         for key in (keys.queue, keys.waiters, keys.tickets):
             self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
+        if not self.owners and self.queue_size == 0:
+            self.writes.append(("DEL", keys.limit))
         earliest = min(self.leases.values(), default=None)
         return Reply(
             holders=len(self.owners),
@@ -343,7 +382,7 @@ class _Plan:
         for owner, grants in messages.items():
             self.writes.append(("PUBLISH", self.keys.channels + owner.decode(), "".join(grants)))
 
-    def _acquire(self, member: bytes, mode: str) -> int:
+    def _acquire(self, member: bytes, mode: str) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
         keys = self.keys
         if member in self.cancelled:
             self.cancelled.discard(member)
@@ -357,6 +396,8 @@ class _Plan:
         if member in self.queued:
             self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
             return 0
+        if self.mismatch:
+            return LIMIT_MISMATCH
         if self.queue_size == 0 and len(self.owners) < self.limit:
             return self._grant(member, self.now)
         if mode != "wait":

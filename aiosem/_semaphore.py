@@ -21,17 +21,16 @@ import enum
 import logging
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 import anyio
 import redis
 
 from ._coordination import Lane, Submission, Subscriber, raise_if_cancel_swallowed, text
-from ._exceptions import AcquireTimeout, PermitLost, SemaphoreError
+from ._exceptions import AcquireTimeout, LimitMismatch, PermitLost, SemaphoreError
+from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_timeout, check_wait
@@ -41,6 +40,9 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from redis.asyncio import Redis
+
+    #: Called with the loss of a permit kept alive.
+    LostCallback: TypeAlias = Callable[[PermitLost], object]
 
 logger = logging.getLogger("aiosem")
 
@@ -58,8 +60,13 @@ _RECHECK_DELAY: Final = 0.001
 
 #: The longest pause between tries of a step that has to happen.
 _MUST_STEP_PAUSE: Final = 0.005
-#: Pauses of a failing pump grow by this much, up to a heartbeat.
+#: Pauses of a failing pump or refresher grow by this much, up to a heartbeat.
 _RETRY_PAUSE: Final = 0.05
+#: What a step answers for an acquire refused because the semaphore is in
+#: use with another limit.
+LIMIT_MISMATCH: Final = -3
+#: The least time a step is given before it is presumed stalled (at least a lease).
+_SHORTEST_STEP_BOUND: Final = 5.0
 
 
 class _Default(enum.Enum):
@@ -136,10 +143,10 @@ class SemaphoreStatistics:
     local_waiters: int
 
 
-#: The permits the current task holds through ``async with``, innermost
-#: last. Each task runs in a context of its own, so tasks sharing one
-#: semaphore object never see each other's permits.
-_held: ContextVar[tuple[tuple[_Semaphore, Permit], ...]] = ContextVar("aiosem_held", default=())
+#: The holds of the current task's ``async with`` blocks, innermost last.
+#: Each task runs in a context of its own, so tasks sharing one semaphore
+#: object never see each other's permits.
+_held: ContextVar[tuple[tuple[_Semaphore, Hold], ...]] = ContextVar("aiosem_held", default=())
 
 
 class _Semaphore(ABC):
@@ -150,16 +157,22 @@ class _Semaphore(ABC):
         "_claims",
         "_client",
         "_clock",
+        "_confirmed",
+        "_holds",
         "_keys",
         "_lanes",
         "_last",
         "_limit",
         "_loop",
         "_name",
+        "_on_lost",
         "_process",
+        "_proven",
         "_pump",
         "_queued",
         "_recheck_at",
+        "_refresh_failures",
+        "_refresh_interval",
         "_subscribed",
         "_timeout",
         "_waiter_ttl",
@@ -178,6 +191,8 @@ class _Semaphore(ABC):
         prefix: str = "aiosem",
         clock: Callable[[], float] | None = None,
         waiter_timeout: float | None = None,
+        refresh_interval: float | None = None,
+        on_lost: LostCallback | None = None,
     ) -> None:
         self._name = check_name(name)
         self._limit = check_limit(limit)
@@ -192,6 +207,17 @@ class _Semaphore(ABC):
             self._waiter_ttl = check_timeout(waiter_timeout, "waiter_timeout")
             if self._waiter_ttl > self._timeout:
                 raise ValueError(f"waiter_timeout must not exceed timeout ({self._timeout:g} s), got {waiter_timeout}")
+        if refresh_interval is None:
+            self._refresh_interval = self._timeout / 3
+        else:
+            self._refresh_interval = check_timeout(refresh_interval, "refresh_interval")
+            if self._refresh_interval >= self._timeout:
+                raise ValueError(
+                    f"refresh_interval must be shorter than timeout ({self._timeout:g} s), got {refresh_interval}"
+                )
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
+        self._on_lost = on_lost
         self._client = client
         self._clock = clock
         #: This object's identity in Redis: its waiters' identifiers and its
@@ -210,6 +236,14 @@ class _Semaphore(ABC):
         self._recheck_at: float | None = None
         self._subscribed = False
         self._last = Reply(0, 0, None, ())
+        #: Permits kept alive by the refresher, by identifier.
+        self._holds: dict[str, Hold] = {}
+        self._refresh_failures = 0
+        #: For each queued waiter, when the last step that found it queued
+        #: was sent: a permit handed to it later has a lease from then on.
+        self._proven: dict[str, float] = {}
+        #: For each waiter resolved, how its lease was confirmed: (sent, lease).
+        self._confirmed: dict[str, tuple[float, float]] = {}
 
     @property
     def name(self) -> str:
@@ -237,6 +271,11 @@ class _Semaphore(ABC):
         return self._waiter_ttl
 
     @property
+    def refresh_interval(self) -> float:
+        """How often held permits are refreshed, in seconds (default: a third of ``timeout``)."""
+        return self._refresh_interval
+
+    @property
     def key(self) -> str:
         """The Redis key the semaphore is stored under (its other keys extend it)."""
         return self._keys.base
@@ -245,7 +284,8 @@ class _Semaphore(ABC):
         return (
             f"{type(self).__name__}(name={self._name!r}, limit={self._limit}, "
             f"timeout={self._timeout:g}, blocking_timeout={self._blocking_timeout!r}, "
-            f"waiter_timeout={self._waiter_ttl:g}, key={self.key!r})"
+            f"waiter_timeout={self._waiter_ttl:g}, refresh_interval={self._refresh_interval:g}, "
+            f"held={len(self._holds)}, waiting={len(self._waiters)}, key={self.key!r})"
         )
 
     @abstractmethod
@@ -278,6 +318,9 @@ class _Semaphore(ABC):
         self._pump = None
         self._wake = asyncio.Event()
         self._subscribed = False
+        self._holds.clear()
+        self._proven.clear()
+        self._confirmed.clear()
 
     async def _submit(
         self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission
@@ -294,7 +337,11 @@ class _Semaphore(ABC):
         # A busy lock is held for a round trip or two; a step that backed off
         # as far as a polling waiter would lose it to every poller.
         backoff = Backoff(longest=_MUST_STEP_PAUSE)
-        while (reply := await self._execute(operation, mode, identifiers)) is None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sent = loop.time()
+            if (reply := await self._bounded_execute(operation, mode, identifiers)) is not None:
+                break
             if operation == "acquire" and mode == "try":
                 reply = Reply(self._last.holders, self._last.waiting, None, (-1,) * len(identifiers))
                 break
@@ -307,16 +354,27 @@ class _Semaphore(ABC):
                     name=self._name,
                 )
             await backoff.pause(deadline)
-        self._observe(reply)
+        self._observe(reply, sent)
         return reply
 
-    def _observe(self, reply: Reply) -> None:
-        """Learn what a reply says about this object's waiters."""
+    async def _bounded_execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
+        """`_execute`, bounded so that a stalled connection cannot hang a step."""
+        try:
+            with anyio.fail_after(max(self._timeout, _SHORTEST_STEP_BOUND)):
+                return await self._execute(operation, mode, identifiers)
+        except TimeoutError:
+            raise redis.TimeoutError(
+                f"a {operation} step of semaphore {self._name!r} took longer than its lease; given up"
+            ) from None
+
+    def _observe(self, reply: Reply, sent: float) -> None:
+        """Learn what a reply to a step sent at ``sent`` says about this object's waiters."""
         self._last = reply
         for identifier, token in reply.granted:
             # Granted by this object's own call: a full lease, nothing to claim.
             waiter = self._waiters.get(identifier)
             if waiter is not None and not waiter.done():
+                self._confirmed[identifier] = (sent, self._timeout)
                 waiter.set_result(token)
         if self._queued:
             self._recheck_when(reply)
@@ -340,6 +398,10 @@ class _Semaphore(ABC):
             # resolved already was claimed by the re-check that resolved it.
             waiter = self._waiters.get(identifier)
             if waiter is not None and not waiter.done() and token.isdigit():
+                # Granted after the last step that found it queued was sent,
+                # for a waiter timeout: a lease at least that long.
+                proven = self._proven.get(identifier, asyncio.get_running_loop().time() - self._waiter_ttl)
+                self._confirmed[identifier] = (proven, self._waiter_ttl)
                 waiter.set_result(int(token))
                 self._claims.add(identifier)
         if self._claims:
@@ -377,10 +439,11 @@ class _Semaphore(ABC):
                 if everyone:
                     self._recheck_at = None
                 try:
+                    sent = loop.time()
                     values, _ = await self._submit("refresh", "", identifiers)
                     if everyone:
                         next_beat = loop.time() + heartbeat
-                    await self._settle(identifiers, values)
+                    await self._settle(identifiers, values, sent)
                 except Exception:  # never let the pump die: waiters depend on it
                     failures += 1
                     self._claims |= claims & self._claiming
@@ -393,40 +456,62 @@ class _Semaphore(ABC):
         finally:
             self._pump = None
 
-    async def _settle(self, identifiers: Sequence[str], values: Sequence[int]) -> None:
-        """Act on what a re-check answered for each identifier."""
+    async def _settle(self, identifiers: Sequence[str], values: Sequence[int], sent: float) -> None:
+        """Act on what a re-check sent at ``sent`` answered for each identifier."""
         dropped = []
         for identifier, value in zip(identifiers, values, strict=True):
             waiter = self._waiters.get(identifier)
+            pending = waiter is not None and not waiter.done()
+            hold = self._holds.get(identifier)
             if value > 0:
-                if waiter is not None and not waiter.done():
+                if pending:
+                    assert waiter is not None  # noqa: S101 -- pending says so
+                    self._confirmed[identifier] = (sent, self._timeout)
                     waiter.set_result(value)
+                elif hold is not None:
+                    hold.confirm(sent, self._timeout)
+            elif value == 0 and pending:
+                self._proven[identifier] = sent
             elif value < 0:
-                if waiter is not None and not waiter.done():
+                if pending:
                     dropped.append(identifier)
                 elif identifier in self._claiming:
-                    logger.warning("a permit of %r handed to this process was lost before it was claimed", self)
+                    self._lost_before_claim(identifier)
             self._claiming.discard(identifier)
         if dropped:
-            # The queue forgot these waiters, presumed dead (this process did
-            # not answer for a whole waiter timeout): queue them again, last.
-            logger.warning("%d waiter(s) of %r lost their place in the queue; queueing again", len(dropped), self)
-            requeued, _ = await self._submit("acquire", "wait", dropped)
-            abandoned = []
-            for identifier, value in zip(dropped, requeued, strict=True):
-                waiter = self._waiters.get(identifier)
-                if waiter is None or waiter.done():
-                    # Given up while it was being queued again: its own cancel
-                    # may have run first, so undo what this step did.
-                    abandoned.append(identifier)
-                elif value > 0:
-                    waiter.set_result(value)
-                elif value < 0:
-                    waiter.set_exception(
-                        SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
-                    )
-            if abandoned:
-                await self._give_up(*abandoned)
+            await self._requeue(dropped)
+
+    async def _requeue(self, dropped: Sequence[str]) -> None:
+        """Queue again, last, waiters the queue forgot (presumed dead: this process did not answer in time)."""
+        logger.warning("%d waiter(s) of %r lost their place in the queue; queueing again", len(dropped), self)
+        sent = asyncio.get_running_loop().time()
+        requeued, _ = await self._submit("acquire", "wait", dropped)
+        abandoned = []
+        for identifier, value in zip(dropped, requeued, strict=True):
+            waiter = self._waiters.get(identifier)
+            if waiter is None or waiter.done():
+                # Given up while it was being queued again: its own cancel
+                # may have run first, so undo what this step did.
+                abandoned.append(identifier)
+            elif value > 0:
+                self._confirmed[identifier] = (sent, self._timeout)
+                waiter.set_result(value)
+            elif value == 0:
+                self._proven[identifier] = sent
+            else:
+                waiter.set_exception(
+                    SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
+                )
+        if abandoned:
+            await self._give_up(*abandoned)
+
+    def _lost_before_claim(self, identifier: str) -> None:
+        hold = self._holds.get(identifier)
+        if hold is None:
+            logger.warning("a permit of %r handed to this process was lost before it was claimed", self)
+        else:
+            self._drop_hold(hold)
+            hold.lose("it was handed over by another process and lost before it was claimed")
 
     async def _subscribe(self) -> None:
         if self._subscribed:
@@ -451,7 +536,12 @@ class _Semaphore(ABC):
         return permit
 
     async def acquire(
-        self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT
+        self,
+        blocking: bool = True,
+        blocking_timeout: float | _Default | None = DEFAULT,
+        *,
+        auto_refresh: bool = False,
+        on_lost: LostCallback | None = None,
     ) -> Permit | None:
         """Take a permit, waiting for one if ``blocking``.
 
@@ -467,18 +557,34 @@ class _Semaphore(ABC):
         also subscribes to its channel (at most 5 s), and
         `AsyncLockedSemaphore` may wait out a busy lock before it is queued.
 
+        With ``auto_refresh``, the permit is kept alive in the background
+        (every ``refresh_interval``) until it is released; if it is lost
+        meanwhile, ``on_lost`` -- or else the semaphore's ``on_lost`` -- is
+        called with the `PermitLost`, a warning is logged, and `release`
+        returns ``False``. (``async with`` does this and more: it cancels
+        its body.) A permit kept alive and never released is kept alive for
+        as long as the event loop runs, like a lock never unlocked.
+
         Args:
             blocking: Wait for a permit; with ``False``, try once and return.
             blocking_timeout: How long to wait at most, in seconds; ``None``
                 or infinity waits for ever. Defaults to the semaphore's.
+            auto_refresh: Keep the permit alive until it is released.
+            on_lost: With ``auto_refresh``: called (in the refresher's task,
+                so it must not block) with the `PermitLost` if the permit is
+                lost; defaults to the semaphore's ``on_lost``.
 
         Returns:
             The `Permit`, or ``None`` if none could be had in time.
 
         Raises:
-            TypeError: ``blocking_timeout`` is not a number.
-            ValueError: ``blocking_timeout`` is negative or NaN.
+            TypeError: ``blocking_timeout`` is not a number, or ``on_lost``
+                not callable.
+            ValueError: ``blocking_timeout`` is negative or NaN, or
+                ``on_lost`` is given without ``auto_refresh``.
             RuntimeError: The semaphore is in use by another event loop.
+            LimitMismatch: The semaphore is in use -- somebody holds or
+                waits -- with another limit; nothing was taken.
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease; or the queue forgot this waiter and would
                 not take it back.
@@ -491,10 +597,28 @@ class _Semaphore(ABC):
             (shielded, and bounded to 5 s). A permit granted just before
             Redis became unreachable ends with its lease.
         """
+        if on_lost is not None:
+            if not callable(on_lost):
+                raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
+            if not auto_refresh:
+                raise ValueError("on_lost is only called for a permit kept alive: pass auto_refresh=True")
+        taken = await self._take(blocking, blocking_timeout)
+        if taken is None:
+            return None
+        permit, confirmed_at, lease = taken
+        if auto_refresh:
+            self._keep(permit, confirmed_at, lease, scope=None, on_lost=on_lost or self._on_lost)
+        return permit
+
+    async def _take(
+        self, blocking: bool, blocking_timeout: float | _Default | None
+    ) -> tuple[Permit, float, float] | None:
+        """Acquire: the permit, when its lease was confirmed (loop time) and for how long."""
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         if not blocking:
             wait = 0.0
         self._bind()
+        loop = asyncio.get_running_loop()
         identifier = f"{self._process}.{secrets.token_hex(8)}"
         submission = Submission((identifier,))
         waiter: asyncio.Future[int] | None = None
@@ -503,8 +627,11 @@ class _Semaphore(ABC):
                 await self._subscribe()
                 waiter = self._waiters[identifier] = asyncio.get_running_loop().create_future()
                 await self._arrive(identifier)
+            sent = loop.time()
             (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
+            confirmed = (sent, self._timeout)
             if value == 0 and waiter is not None:
+                self._proven[identifier] = sent
                 self._queued.add(identifier)
                 self._start_pump()
                 self._recheck_when(reply)
@@ -512,6 +639,7 @@ class _Semaphore(ABC):
                     value = await waiter
                 if waiter.done() and not waiter.cancelled():
                     value = waiter.result()  # granted as the wait ran out: take it
+                confirmed = self._confirmed.get(identifier, confirmed)
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
             # did happen ends with its lease, and a cancel would only delay
@@ -528,9 +656,15 @@ class _Semaphore(ABC):
         finally:
             self._waiters.pop(identifier, None)
             self._queued.discard(identifier)
+            self._proven.pop(identifier, None)
+            self._confirmed.pop(identifier, None)
             self._forget(identifier)
         if value > 0:
-            return Permit(self._name, identifier, value, self._keys.base)
+            return Permit(self._name, identifier, value, self._keys.base), *confirmed
+        if value == LIMIT_MISMATCH:
+            # Neither granted nor queued: nothing to give up.
+            stored = await self._client.get(self._keys.limit)
+            raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
         if waiter is not None:
             await self._give_up(identifier)
         return None
@@ -566,6 +700,9 @@ class _Semaphore(ABC):
         permit = self._check_permit(permit)
         self._claims.discard(permit.identifier)
         self._claiming.discard(permit.identifier)
+        hold = self._holds.get(permit.identifier)
+        if hold is not None:
+            self._drop_hold(hold)
         (released,), _ = await self._submit("release", "release", (permit.identifier,))
         return released == 1
 
@@ -586,8 +723,126 @@ class _Semaphore(ABC):
             redis.RedisError: Redis failed or could not be reached.
         """
         permit = self._check_permit(permit)
+        sent = asyncio.get_running_loop().time()
         (token,), _ = await self._submit("refresh", "", (permit.identifier,))
+        hold = self._holds.get(permit.identifier)
+        if hold is not None:
+            if token > 0:
+                hold.confirm(sent, self._timeout)
+            else:
+                self._drop_hold(hold)
+                hold.lose("a refresh found it gone")
         return token > 0
+
+    # --- keeping permits alive ----------------------------------------------------
+
+    def _keep(
+        self,
+        permit: Permit,
+        confirmed_at: float,
+        lease: float,
+        *,
+        scope: anyio.CancelScope | None,
+        on_lost: LostCallback | None,
+    ) -> Hold:
+        """Keep ``permit`` alive until it is released or lost."""
+        hold = self._holds[permit.identifier] = Hold(
+            permit, confirmed_at=confirmed_at, lease=lease, scope=scope, on_lost=on_lost
+        )
+        Refresher.of_running_loop().schedule(self, self._next_round(hold))
+        return hold
+
+    def _drop_hold(self, hold: Hold) -> None:
+        """Stop keeping a permit alive."""
+        if self._holds.get(hold.permit.identifier) is hold:
+            del self._holds[hold.permit.identifier]
+            if not self._holds:
+                Refresher.of_running_loop().cancel(self)
+
+    def _next_round(self, hold: Hold) -> float:
+        # A third of the lease still unproven leaves two tries before it runs out.
+        return hold.confirmed_at + min(self._refresh_interval, hold.lease / 3)
+
+    async def _refresh_round(self) -> float | None:
+        """Refresh every hold in one step; return when the next round is due, if any.
+
+        Called by the event loop's `Refresher`. A failure is retried after a
+        growing pause, never later than the earliest lease could run out;
+        a hold whose lease may have run out meanwhile is lost. The step is
+        cut short at that moment too, so a stalled connection cannot keep a
+        holder from hearing of it.
+        """
+        loop = asyncio.get_running_loop()
+        holds = list(self._holds.values())
+        if not holds:
+            return None
+        sent = loop.time()
+        earliest_end = min(hold.confirmed_at + hold.lease for hold in holds)
+        values: Sequence[int] | None = None
+        with anyio.move_on_after(max(0.0, min(self._refresh_interval, earliest_end - sent))):
+            try:
+                values, _ = await self._submit("refresh", "", [hold.permit.identifier for hold in holds])
+            except Exception:
+                self._refresh_failures += 1
+                if self._refresh_failures == 1:
+                    logger.warning("refreshing the permits held through %r failed; retrying", self, exc_info=True)
+        now = loop.time()
+        for index, hold in enumerate(holds):
+            if self._holds.get(hold.permit.identifier) is not hold:
+                continue  # released meanwhile
+            if values is None:
+                if hold.expired(now):
+                    self._drop_hold(hold)
+                    hold.lose(f"Redis did not answer before its lease ({hold.lease:g} s) could have run out")
+            elif values[index] > 0:
+                hold.confirm(sent, self._timeout)
+            else:
+                self._drop_hold(hold)
+                hold.lose("a refresh found it gone: its lease ran out, or its keys were deleted")
+        if not self._holds:
+            return None
+        next_round = min(self._next_round(hold) for hold in self._holds.values())
+        if values is None:
+            pause = min(_RETRY_PAUSE * self._refresh_failures, self._refresh_interval)
+            return min(now + pause, next_round, *(h.confirmed_at + h.lease for h in self._holds.values()))
+        self._refresh_failures = 0
+        return next_round
+
+    async def aclose(self) -> None:
+        """Give back every permit kept alive through this object, and stop its background work.
+
+        Permits held by ``async with`` blocks still running, or taken with
+        ``auto_refresh``, are released in one step (their bodies are not
+        cancelled: their ``async with`` then raises `PermitLost`); waiting
+        acquires fail with `SemaphoreError`; the object's subscription ends.
+        The object can be used again afterwards.
+
+        Raises:
+            redis.RedisError: Giving back the permits failed (they end with
+                their leases).
+
+        Cancellation:
+            Shielded, and bounded to 5 s.
+        """
+        if self._loop is None or self._loop is not asyncio.get_running_loop():
+            return
+        holds = list(self._holds.values())
+        for hold in holds:
+            self._drop_hold(hold)
+            hold.lost = PermitLost(name=self._name, identifier=hold.permit.identifier)
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(SemaphoreError(f"semaphore {self._name!r} was closed", name=self._name))
+        pump = self._pump
+        with anyio.CancelScope(shield=True), anyio.fail_after(_CLEANUP_TIMEOUT):
+            if pump is not None:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+            if self._subscribed:
+                self._subscribed = False
+                await Subscriber.of(self._client).unsubscribe(self._keys.channels + self._process)
+            if holds:
+                await self._submit("release", "release", [hold.permit.identifier for hold in holds])
 
     async def count(self) -> int:
         """Return how many permits are held now, in all processes.
@@ -648,17 +903,29 @@ class _Semaphore(ABC):
         )
 
     async def __aenter__(self) -> Permit:
-        """Acquire a permit for the body, waiting up to ``blocking_timeout``.
+        """Acquire a permit for the body, waiting up to ``blocking_timeout``, and keep it alive.
+
+        While the body runs, the permit is refreshed every
+        ``refresh_interval``. If it is lost -- a refresh finds it gone, or
+        Redis stays out of reach until its lease may have run out -- the body
+        is cancelled at once (a cancel scope: no `ExceptionGroup`) and the
+        ``async with`` raises `PermitLost`; with ``on_lost`` set on the
+        semaphore, that callback is called instead and the body runs on.
 
         Raises:
             AcquireTimeout: No permit within ``blocking_timeout``.
             redis.RedisError: Redis failed or could not be reached.
         """
-        permit = await self.acquire()
-        if permit is None:
+        taken = await self._take(blocking=True, blocking_timeout=DEFAULT)
+        if taken is None:
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
-        _held.set((*_held.get(), (self, permit)))
+        permit, confirmed_at, lease = taken
+        scope = anyio.CancelScope() if self._on_lost is None else None
+        hold = self._keep(permit, confirmed_at, lease, scope=scope, on_lost=self._on_lost)
+        if scope is not None:
+            scope.__enter__()
+        _held.set((*_held.get(), (self, hold)))
         return permit
 
     async def __aexit__(
@@ -666,14 +933,15 @@ class _Semaphore(ABC):
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
-    ) -> None:
-        """Release the body's permit, shielded from cancellation.
+    ) -> bool:
+        """Stop refreshing the body's permit and release it, shielded from cancellation.
 
         Raises:
-            PermitLost: The body completed, but the permit had been lost
-                before the release: the body may have overlapped with another
-                holder. (If the body raised, its exception propagates and the
-                loss is logged instead.)
+            PermitLost: The permit was lost while the body ran (the body was
+                cancelled for it, or, with ``on_lost``, ran to its end), or
+                the release found it gone. Whatever the body raised is its
+                context. Only a cancellation from outside wins over it: that
+                propagates, and the loss is logged.
             TimeoutError: The release took longer than 5 s although the body
                 completed; the permit ends with its lease.
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
@@ -684,18 +952,33 @@ class _Semaphore(ABC):
         index = next((i for i in reversed(range(len(held))) if held[i][0] is self), None)
         if index is None:
             raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        permit = held[index][1]
+        hold = held[index][1]
         _held.set(held[:index] + held[index + 1 :])
-        with anyio.CancelScope(shield=True):
-            try:
-                with anyio.fail_after(_CLEANUP_TIMEOUT):
-                    released = await self.release(permit)
-            except Exception:
-                if exc is None:
-                    raise
-                logger.warning("releasing %s failed after its body raised", permit, exc_info=True)
-                return
-        if not released:
-            if exc is None:
-                raise PermitLost(name=self._name, identifier=permit.identifier)
-            logger.warning("%s was lost before its body raised", permit)
+        self._drop_hold(hold)
+        permit = hold.permit
+        # The scope swallows the cancellation it delivered itself, no other.
+        ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
+        lost = hold.lost
+        if lost is None:
+            # A permit known lost is not released: it is gone, or its lease may
+            # have run out while Redis was out of reach, and a release would
+            # only keep the holder waiting on that.
+            with anyio.CancelScope(shield=True):
+                try:
+                    with anyio.fail_after(_CLEANUP_TIMEOUT):
+                        released = await self.release(permit)
+                except Exception:
+                    if exc is None:
+                        raise
+                    logger.warning("releasing %s failed after its body raised", permit, exc_info=True)
+                    released = True  # nothing more is known than before
+            if not released:
+                lost = PermitLost(name=self._name, identifier=permit.identifier)
+        if lost is None:
+            return False
+        if ours:
+            raise lost from None
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            logger.warning("%s was lost while its body was being cancelled", permit)
+            return False
+        raise lost

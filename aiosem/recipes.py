@@ -36,9 +36,11 @@ import math
 import secrets
 from typing import TYPE_CHECKING, Literal
 
+from ._exceptions import LimitMismatch
 from ._fair import fair_step, format_now
 from ._keys import SemaphoreKeys
 from ._scripts import BASIC_ACQUIRE, BASIC_RELEASE, LOCK_RELEASE
+from ._semaphore import LIMIT_MISMATCH
 from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_now, check_timeout, check_wait
 
@@ -129,6 +131,8 @@ async def acquire_fair_semaphore(
 
     Raises:
         TypeError, ValueError: A bad argument (the message names it).
+        aiosem.LimitMismatch: The semaphore is in use with another limit
+            (the book would silently enforce neither).
         redis.RedisError: Redis failed or could not be reached.
     """
     semname, _, _ = _semaphore_args(semname, timeout, now)
@@ -144,6 +148,9 @@ async def acquire_fair_semaphore(
         waiter_ttl=_WAITER_TIMEOUT,
         mode="try",
     )
+    if reply.values[0] == LIMIT_MISMATCH:
+        stored = await conn.get(SemaphoreKeys(semname).limit)
+        raise LimitMismatch(name=semname, limit=limit, stored_limit=int(stored or 0))
     return identifier if reply.values[0] > 0 else None
 
 

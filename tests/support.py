@@ -44,12 +44,13 @@ class RedisServer:
     def client(self, **options: object) -> redis.asyncio.Redis:
         return redis.asyncio.Redis(host=self.host, port=self.port, **options)  # type: ignore[arg-type]
 
-    def start(self) -> None:
-        """Start on a free port; a port taken between probe and bind is retried."""
-        for _ in range(5):
-            with socket.socket() as probe:
-                probe.bind((self.host, 0))
-                self.port = probe.getsockname()[1]
+    def start(self, *, same_port: bool = False) -> None:
+        """Start on a free port (a port taken between probe and bind is retried), or on the last one."""
+        for _ in range(1 if same_port else 5):
+            if not same_port:
+                with socket.socket() as probe:
+                    probe.bind((self.host, 0))
+                    self.port = probe.getsockname()[1]
             log = self.directory / f"redis-{self.port}.log"
             self.process = subprocess.Popen(
                 [
@@ -108,6 +109,15 @@ class RedisServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def save_and_stop(self) -> None:
+        """Write the data to disk and stop: the next `start` on the same port and directory loads it."""
+        probe = redis.Redis(host=self.host, port=self.port, socket_timeout=5)
+        try:
+            probe.save()
+        finally:
+            probe.close()
         self.stop()
 
     def kill(self) -> None:

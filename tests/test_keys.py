@@ -150,6 +150,7 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
         "app:{db}:waiters",
         "app:{db}:cancelled",
         "app:{db}:tickets",
+        "app:{db}:limit",
     )
     assert keys.channels == "app:{db}:wake:"
 
@@ -180,6 +181,6 @@ async def test_a_semaphore_writes_only_its_own_keys(cls: SemaphoreClass, client:
     permit = await sem.acquire(blocking=False)
     assert permit is not None
     keys = SemaphoreKeys.for_name("aiosem", "{{x}} %7B")
-    expected = sorted(key.encode() for key in [keys.timeout_set, keys.owner_set, keys.counter])
+    expected = sorted(key.encode() for key in [keys.timeout_set, keys.owner_set, keys.counter, keys.limit])
     assert sorted(await client.keys("*")) == expected
     assert len({key_slot(key) for key in expected}) == 1

@@ -224,12 +224,15 @@ async def test_async_with_raises_permit_lost_when_the_lease_ran_out(
     assert caught.value.name == "sem"
 
 
-async def test_a_failing_body_is_not_masked_by_a_lost_permit(make: Callable[..., Semaphore], clock: FakeClock) -> None:
+async def test_a_lost_permit_is_raised_with_the_failing_body_as_its_context(
+    make: Callable[..., Semaphore], clock: FakeClock
+) -> None:
     sem = make(limit=1, timeout=10, clock=clock)
-    with pytest.raises(KeyError):  # noqa: PT012 -- the permit is lost inside the body
+    with pytest.raises(PermitLost) as caught:  # noqa: PT012 -- the permit is lost inside the body
         async with sem:
             clock.advance(11)
             raise KeyError("body")
+    assert isinstance(caught.value.__context__, KeyError)
 
 
 async def test_a_cancelled_body_still_releases(make: Callable[..., Semaphore]) -> None:
@@ -277,7 +280,7 @@ async def test_repr_shows_the_configuration(make: Callable[..., Semaphore]) -> N
     sem = make(name="api", limit=5, timeout=30, blocking_timeout=2)
     assert repr(sem) == (
         f"{type(sem).__name__}(name='api', limit=5, timeout=30, blocking_timeout=2.0, "
-        "waiter_timeout=2, key='aiosem:{api}')"
+        "waiter_timeout=2, refresh_interval=10, held=0, waiting=0, key='aiosem:{api}')"
     )
 
 

@@ -14,6 +14,7 @@ local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
 local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
 local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
+local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
 --
 -- and the same arguments:
 -- ARGV[1] now in seconds, or '' for the server's clock
@@ -239,6 +240,10 @@ local function aiosem_run(operation, hand_off_first)
   end
   if state.waiters_written then
     aiosem_expire(state.waiter_ttl)
+  end
+  if state.holders == 0 and state.queued == 0 then
+    -- Idle: whoever comes next may bring another limit.
+    redis.call('DEL', LIMIT)
   end
   local reply = aiosem_header(state)
   for _, result in ipairs(results) do
