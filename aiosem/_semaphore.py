@@ -914,6 +914,7 @@ class _Semaphore(ABC):
 
         Raises:
             AcquireTimeout: No permit within ``blocking_timeout``.
+            LimitMismatch: The semaphore is in use with another limit.
             redis.RedisError: Redis failed or could not be reached.
         """
         taken = await self._take(blocking=True, blocking_timeout=DEFAULT)
