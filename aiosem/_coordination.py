@@ -133,7 +133,17 @@ class Subscriber:
     delays a waiter until its semaphore's next re-check.
     """
 
-    __slots__ = ("__weakref__", "_client", "_handlers", "_loop", "_pubsub", "_reader", "_ready", "_subscribing")
+    __slots__ = (
+        "__weakref__",
+        "_client",
+        "_handlers",
+        "_loop",
+        "_pubsub",
+        "_reader",
+        "_ready",
+        "_sending",
+        "_subscribing",
+    )
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Any, Subscriber]] = weakref.WeakKeyDictionary()
 
@@ -145,6 +155,10 @@ class Subscriber:
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._subscribing: set[asyncio.Task[None]] = set()
+        # redis-py's PubSub connects on its first command, and concurrent first
+        # commands each connect: all but one subscription then lands on a
+        # connection nobody reads. One command at a time.
+        self._sending = asyncio.Lock()
 
     @classmethod
     def of(cls, client: Redis) -> Subscriber:
@@ -189,14 +203,24 @@ class Subscriber:
         if self._ready.pop(channel, None) is None:
             return
         del self._handlers[channel]
+        if not self._handlers and self._reader is not None:
+            # The last channel: the reader closes its connection, which ends
+            # every subscription on it; a subscribe from now on starts afresh.
+            reader, self._reader = self._reader, None
+            self._pubsub = self._client.pubsub()
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            return
         try:
-            await self._pubsub.unsubscribe(channel)
-        except redis.RedisError:
+            async with self._sending:
+                await self._pubsub.unsubscribe(channel)
+        except Exception:  # the connection's end drops the subscription anyway
             logger.debug("unsubscribing from %s failed", channel, exc_info=True)
 
     async def _send_subscribe(self, channel: str, ready: asyncio.Future[None]) -> None:
         try:
-            await self._pubsub.subscribe(channel)
+            async with self._sending:
+                await self._pubsub.subscribe(channel)
         except Exception as error:  # noqa: BLE001 -- every caller waiting on this subscription gets the error
             if self._ready.get(channel) is ready:
                 del self._handlers[channel], self._ready[channel]
@@ -209,11 +233,12 @@ class Subscriber:
     async def _read(self) -> None:
         failures = 0
         task = asyncio.current_task()
+        pubsub = self._pubsub
         try:
-            while self._handlers:
+            while self._handlers and self._pubsub is pubsub:
                 raise_if_cancel_swallowed(task)
                 try:
-                    message = await self._pubsub.get_message(timeout=_PRUNE_INTERVAL)
+                    message = await pubsub.get_message(timeout=_PRUNE_INTERVAL)
                 except redis.ResponseError as error:
                     # A refusal (an ACL without the channel, say) answers the
                     # subscriptions still waiting for their confirmation.
@@ -242,8 +267,10 @@ class Subscriber:
         finally:
             # A subscribe made while this closes must not lose its connection:
             # it gets a new pub/sub object, and this one is closed alone.
-            self._reader = None
-            pubsub, self._pubsub = self._pubsub, self._client.pubsub()
+            if self._reader is task:
+                self._reader = None
+            if self._pubsub is pubsub:
+                self._pubsub = self._client.pubsub()
             with anyio.CancelScope(shield=True), anyio.move_on_after(_SUBSCRIBE_TIMEOUT):
                 try:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]

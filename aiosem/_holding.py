@@ -142,7 +142,8 @@ class Refresher:
 
     def cancel(self, semaphore: Refreshable) -> None:
         """Stop scheduling ``semaphore``, which holds nothing any more; a round under way ends by itself."""
-        self._due.pop(semaphore, None)
+        if self._due.pop(semaphore, None) is not None:
+            self._wake.set()  # the task may have nothing left to wait for
 
     async def _run(self) -> None:
         task = asyncio.current_task()

@@ -934,7 +934,7 @@ class _Semaphore(ABC):
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         """Stop refreshing the body's permit and release it, shielded from cancellation.
 
         Raises:
@@ -976,10 +976,10 @@ class _Semaphore(ABC):
             if not released:
                 lost = PermitLost(name=self._name, identifier=permit.identifier)
         if lost is None:
-            return False
+            return
         if ours:
             raise lost from None
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             logger.warning("%s was lost while its body was being cancelled", permit)
-            return False
+            return
         raise lost
