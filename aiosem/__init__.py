@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
+from ._config import aclose as aclose
+from ._config import configure as configure
+from ._decorators import limit_concurrency as limit_concurrency
+from ._decorators import limiter as limiter
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import LimitMismatch as LimitMismatch
 from ._exceptions import PermitLost as PermitLost
@@ -28,10 +32,15 @@ __all__ = [
     "SemaphoreError",
     "SemaphoreStatistics",
     "__version__",
+    "aclose",
+    "configure",
+    "limit_concurrency",
+    "limiter",
 ]
 
 __version__ = _version("aiosem")
 
-for _name in __all__[:-1]:
-    globals()[_name].__module__ = __name__
+for _name in __all__:
+    if _name != "__version__":
+        globals()[_name].__module__ = __name__
 del _name

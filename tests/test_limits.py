@@ -19,7 +19,8 @@ async def test_another_limit_is_refused_while_somebody_holds(cls: SemaphoreClass
     five = cls(client, "db", 5)
     held = await three.acquire()
     assert held is not None
-    with pytest.raises(LimitMismatch, match=r"semaphore 'db' is in use with limit 3; this client asked for 5") as caught:
+    message = r"semaphore 'db' is in use with limit 3; this client asked for 5"
+    with pytest.raises(LimitMismatch, match=message) as caught:
         await five.acquire()
     assert (caught.value.name, caught.value.limit, caught.value.stored_limit) == ("db", 5, 3)
     assert await three.count() == 1

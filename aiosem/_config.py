@@ -1,0 +1,709 @@
+"""Where `limit_concurrency` and `limiter` get their Redis, their defaults and their semaphores.
+
+Three layers, from the longest-lived:
+
+- **Settings** (`configure`): process-wide defaults, read at every call of a
+  decorated function or limiter, so a `configure` made after decoration
+  still applies. They survive a fork: a gunicorn ``--preload`` child keeps
+  what its master configured.
+- **Per event loop** (`LoopState`): the clients created from a URL -- a
+  ``redis.asyncio`` client must never cross event loops -- and the
+  semaphore objects, in a cache bounded to `CACHE_SIZE` idle objects that
+  never evicts one in use. Each state closes itself when its loop shuts
+  down (``asyncio.run``, ``asyncio.Runner`` and pytest-asyncio close the
+  loop's async generators first; the state watches its loop with one), and
+  `aclose` closes it at once.
+- **Per process**: the embedded store of ``memory://`` URLs (one
+  ``fakeredis.FakeServer``, shared by every loop of the process). A forked
+  child drops all per-loop state and the store, without closing anything:
+  the sockets are its parent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import multiprocessing
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+import anyio
+import redis.asyncio
+
+from ._exceptions import PermitLost
+from ._fair import AsyncFairSemaphore
+from ._keys import check_prefix
+from ._locked import AsyncLockedSemaphore
+from ._validation import check_limit, check_name, check_timeout, check_wait
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Awaitable
+
+__all__ = ["aclose", "configure"]
+
+logger = logging.getLogger("aiosem")
+
+Kind: TypeAlias = Literal["fair", "locked"]
+Semaphore: TypeAlias = AsyncFairSemaphore | AsyncLockedSemaphore
+LostCallback: TypeAlias = Callable[[PermitLost], object]
+
+#: The environment variable read when `configure` was given no URL or client.
+ENV_URL: Final = "AIOSEM_REDIS_URL"
+#: The URL used when nothing is configured: an in-process store.
+MEMORY_URL: Final = "memory://"
+_SCHEMES: Final = ("redis", "rediss", "unix", "memory")
+_KINDS: Final[Mapping[str, type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]]] = {
+    "fair": AsyncFairSemaphore,
+    "locked": AsyncLockedSemaphore,
+}
+
+#: Socket timeouts of the clients aiosem creates from a URL, in seconds: no
+#: read, write or connect can hang on a stalled connection for longer.
+SOCKET_TIMEOUT: Final = 5.0
+#: The size of the connection pool of a client created from a URL. The pool
+#: blocks rather than fails when every connection is busy, for at most
+#: `POOL_TIMEOUT` seconds. A semaphore object coalesces its calls, so it uses
+#: a connection or two at a time whatever the number of its tasks.
+MAX_CONNECTIONS: Final = 64
+POOL_TIMEOUT: Final = 5.0
+#: How many idle semaphore objects each event loop keeps, least recently used
+#: first out. Objects in use (holding or waiting) are never evicted and not
+#: counted. (Not `Final`: the tests make it small.)
+CACHE_SIZE = 1024
+#: How long closing may take, per step, before it is abandoned.
+_CLOSE_TIMEOUT: Final = 5.0
+
+
+class _Unset(enum.Enum):
+    token = 0
+
+
+#: "Not given here: take the configured value" (where ``None`` means something).
+UNSET: Final = _Unset.token
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What `configure` set; replaced whole by each call, never changed in place."""
+
+    url: str | None = None
+    client: redis.asyncio.Redis | None = None
+    prefix: str = "aiosem"
+    timeout: float = 10.0
+    blocking_timeout: float | None = None
+    kind: Kind = "fair"
+    limits: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What one decorator or limiter was given; ``None`` or `UNSET`: from the settings."""
+
+    limit: int | None = None
+    timeout: float | None = None
+    blocking_timeout: float | _Unset | None = UNSET
+    prefix: str | None = None
+    kind: Kind | None = None
+    client: redis.asyncio.Redis | None = None
+    waiter_timeout: float | None = None
+    refresh_interval: float | None = None
+    on_lost: LostCallback | None = None
+
+
+_lock = threading.Lock()
+_settings = Settings()
+#: The limits decorators with a fixed name declared, by name.
+_declared: dict[str, set[int]] = {}
+_states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState] = weakref.WeakKeyDictionary()
+_memory_server: Any = None
+_warned_memory = False
+_forked = False
+#: What a forked child inherited and must neither close nor let be collected:
+#: finalizers would close the parent's sockets, or unregister them from an
+#: epoll instance the parent shares with the child.
+_left_by_parent: list[object] = []
+
+
+# --- arguments -----------------------------------------------------------------
+
+
+def check_url(value: object, argument: str = "url") -> str:
+    """A URL aiosem can connect to; the message never repeats it (it may hold a password)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
+    parts = urlsplit(value)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        shown = f"a {scheme}:// URL" if scheme else "no URL scheme"
+        raise ValueError(f"{argument} must be a redis://, rediss://, unix:// or memory:// URL, got {shown}")
+    if scheme == "memory" and (parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment):
+        raise ValueError(f"{argument}: a memory:// URL takes no host, path or options")
+    return value
+
+
+def check_kind(value: object) -> Kind:
+    if value == "fair":
+        return "fair"
+    if value == "locked":
+        return "locked"
+    raise ValueError(f"kind must be 'fair' or 'locked', got {value!r}")
+
+
+def check_client(value: object) -> redis.asyncio.Redis:
+    if not isinstance(value, redis.asyncio.Redis):
+        raise TypeError(
+            f"client must be a redis.asyncio.Redis (aiosem is asyncio-only), not {type(value).__module__}."
+            f"{type(value).__qualname__}"
+        )
+    return value
+
+
+def check_limits(value: object) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"limits must be a mapping of names to limits, not {type(value).__name__}")
+    checked = {}
+    for name, limit in value.items():
+        check_name(name, "a name in limits")
+        try:
+            checked[name] = check_limit(limit)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"limits[{name!r}]: {error}") from None
+    return checked
+
+
+def options(
+    *,
+    limit: int | None,
+    timeout: float | None,
+    blocking_timeout: float | None,
+    prefix: str | None,
+    kind: Kind | None,
+    client: redis.asyncio.Redis | None,
+    waiter_timeout: float | None,
+    refresh_interval: float | None,
+    on_lost: LostCallback | None,
+) -> Options:
+    """Check what a decorator or limiter was given, as its signature promises; ``None`` means "configured"."""
+    if on_lost is not None and not callable(on_lost):
+        raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
+    return Options(
+        limit=None if limit is None else check_limit(limit),
+        timeout=None if timeout is None else check_timeout(timeout),
+        # None is "configured"; infinity is "for ever", whatever is configured.
+        blocking_timeout=UNSET if blocking_timeout is None else check_wait(blocking_timeout),
+        prefix=None if prefix is None else check_prefix(prefix),
+        kind=None if kind is None else check_kind(kind),
+        client=None if client is None else check_client(client),
+        waiter_timeout=None if waiter_timeout is None else check_timeout(waiter_timeout, "waiter_timeout"),
+        refresh_interval=None if refresh_interval is None else check_timeout(refresh_interval, "refresh_interval"),
+        on_lost=on_lost,
+    )
+
+
+# --- configure -------------------------------------------------------------------
+
+
+def configure(
+    *,
+    url: str | None = None,
+    client: redis.asyncio.Redis | None = None,
+    prefix: str | None = None,
+    timeout: float | None = None,
+    blocking_timeout: float | None = None,
+    limits: Mapping[str, int] | None = None,
+    kind: Kind | None = None,
+) -> None:
+    """Set the defaults of `limit_concurrency` and `limiter` for the whole process.
+
+    Each argument given replaces that setting; those left out (``None``)
+    keep theirs, so it can be called several times, from several places.
+    The settings are read at each call of a decorated function or limiter,
+    so functions decorated before `configure` ran use them too, and a
+    change applies from the next call on. A call already holding or waiting
+    keeps what it started with. Arguments given to a decorator or limiter
+    win over these.
+
+        aiosem.configure(url="redis://localhost:6379/0", limits={"api": 5})
+
+    Where the decorator and limiter connect, first match wins: their own
+    ``client=``; ``configure(client=...)``; ``configure(url=...)``; the
+    ``AIOSEM_REDIS_URL`` environment variable; else ``memory://``, with a
+    warning logged once -- and an error in a process that looks like one
+    of several workers, where an in-process store would not limit anything
+    across them.
+
+    Clients aiosem creates from a URL are created lazily, one per event loop
+    (a ``redis.asyncio`` client must not cross loops), with 5 s socket
+    timeouts and a blocking pool of 64 connections; query parameters of the
+    URL override these (``?socket_timeout=10&max_connections=200``). A
+    client given here is never closed by aiosem, and belongs to the event
+    loop it is used in: with several loops, give a URL.
+
+    Args:
+        url: ``redis://``, ``rediss://`` (TLS), ``unix://`` (a Unix socket),
+            or ``memory://`` -- an embedded store (fakeredis), shared by the
+            event loops of this process and by nothing else; needs
+            ``pip install 'aiosem[memory]'``. Replaces a ``client``.
+        client: A ``redis.asyncio.Redis`` to use instead of a URL.
+        prefix: The first part of every key (default ``"aiosem"``).
+        timeout: The lease in seconds (default 10): every user of a
+            semaphore must use the same one.
+        blocking_timeout: How long to wait for a permit before
+            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever
+            (the default).
+        limits: Limits by semaphore name, added to those set before: used
+            by a decorator or limiter not given a ``limit``.
+        kind: ``"fair"`` (`AsyncFairSemaphore`, the default) or ``"locked"``
+            (`AsyncLockedSemaphore`, for servers without Lua).
+
+    Raises:
+        TypeError: An argument has the wrong type (the message names it).
+        ValueError: An argument is out of range, a URL has another scheme,
+            or both ``url`` and ``client`` were given.
+        ImportError: ``memory://`` without fakeredis and lupa installed.
+    """
+    global _settings  # noqa: PLW0603 -- the process-wide settings, replaced whole
+    if url is not None and client is not None:
+        raise ValueError("give url or client, not both")
+    changes: dict[str, Any] = {}
+    if url is not None:
+        changes.update(url=check_url(url), client=None)
+        if urlsplit(url).scheme.lower() == "memory":
+            _import_memory()
+    if client is not None:
+        changes.update(client=check_client(client), url=None)
+    if prefix is not None:
+        changes["prefix"] = check_prefix(prefix)
+    if timeout is not None:
+        changes["timeout"] = check_timeout(timeout)
+    if blocking_timeout is not None:
+        changes["blocking_timeout"] = check_wait(blocking_timeout)
+    if kind is not None:
+        changes["kind"] = check_kind(kind)
+    checked_limits = None if limits is None else check_limits(limits)
+    with _lock:
+        if checked_limits is not None:
+            changes["limits"] = MappingProxyType({**_settings.limits, **checked_limits})
+        _settings = replace(_settings, **changes)
+
+
+def settings() -> Settings:
+    """The current settings."""
+    return _settings
+
+
+def declare_limit(name: str, limit: int) -> None:
+    """Note that a decorator limits ``name`` to ``limit``: a `limiter` without a limit may use it."""
+    with _lock:
+        _declared.setdefault(name, set()).add(limit)
+
+
+def resolve_limit(name: str, limit: int | None) -> int:
+    """The limit of a call: given, else configured, else declared by a decorator."""
+    if limit is not None:
+        return limit
+    configured = _settings.limits.get(name)
+    if configured is not None:
+        return configured
+    with _lock:
+        declared = sorted(_declared.get(name, ()))
+    if len(declared) == 1:
+        return declared[0]
+    if declared:
+        raise LookupError(
+            f"no limit for semaphore {name!r}: decorators declare it with different limits {declared}; "
+            f"pass limit=, or set one with aiosem.configure(limits={{{name!r}: ...}})"
+        )
+    raise LookupError(
+        f"no limit for semaphore {name!r}: pass limit=, set one with aiosem.configure(limits={{{name!r}: ...}}), "
+        f"or decorate a function with @limit_concurrency({name!r}, ...) first"
+    )
+
+
+# --- where to connect ----------------------------------------------------------------
+
+
+def _several_workers() -> str | None:
+    """Why this process looks like one of several workers sharing a job, or ``None``."""
+    if _forked:
+        return "it was forked after aiosem was imported (gunicorn --preload, multiprocessing 'fork')"
+    if multiprocessing.parent_process() is not None:
+        return "it is a multiprocessing child (uvicorn --workers or --reload, a process pool)"
+    if os.environ.get("SERVER_SOFTWARE", "").startswith("gunicorn/"):
+        return "it runs under gunicorn (SERVER_SOFTWARE)"
+    concurrency = os.environ.get("WEB_CONCURRENCY", "").strip()
+    if concurrency.isdigit() and int(concurrency) > 1:
+        return f"WEB_CONCURRENCY is {concurrency}"
+    return None
+
+
+def default_url() -> str:
+    """The URL of the default client: configured, else ``AIOSEM_REDIS_URL``, else ``memory://``."""
+    global _warned_memory  # noqa: PLW0603 -- once per process
+    if _settings.url is not None:
+        return _settings.url
+    environment = os.environ.get(ENV_URL)
+    if environment:
+        return check_url(environment, ENV_URL)
+    reason = _several_workers()
+    if reason is not None:
+        raise RuntimeError(
+            f"aiosem has no Redis to use, and this process looks like one of several workers ({reason}): "
+            f"the default {MEMORY_URL} store lives in one process, so it would not limit anything across them. "
+            f"Call aiosem.configure(url='redis://...') or set {ENV_URL} "
+            f"({ENV_URL}={MEMORY_URL} if this process really is alone)."
+        )
+    if not _warned_memory:
+        _warned_memory = True
+        logger.warning(
+            "aiosem has no Redis configured (aiosem.configure(url=...) or %s): using %s, an in-process store. "
+            "Limits hold within this process only, not across processes or machines.",
+            ENV_URL,
+            MEMORY_URL,
+        )
+    return MEMORY_URL
+
+
+def _import_memory() -> Any:
+    """The fakeredis module, imported once; configuring ``memory://`` imports it, outside the event loop."""
+    try:
+        import fakeredis  # noqa: PLC0415 -- an optional dependency, needed for memory:// only
+        import lupa  # noqa: F401, PLC0415 -- fakeredis runs the Lua scripts with it
+    except ImportError as error:
+        raise ImportError(f"{MEMORY_URL} needs fakeredis and lupa: pip install 'aiosem[memory]' ({error})") from error
+    return fakeredis
+
+
+def _memory_client() -> redis.asyncio.Redis:
+    global _memory_server  # noqa: PLW0603 -- one store per process
+    fakeredis = _import_memory()
+    with _lock:
+        if _memory_server is None:
+            _memory_server = fakeredis.FakeServer()
+        server = _memory_server
+    client: redis.asyncio.Redis = fakeredis.FakeAsyncRedis(server=server)
+    return client
+
+
+def connect(url: str) -> redis.asyncio.Redis:
+    """A new client for ``url``; it connects on its first command."""
+    if urlsplit(url).scheme.lower() == "memory":
+        return _memory_client()
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_TIMEOUT,
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=SOCKET_TIMEOUT,
+    )
+    return redis.asyncio.Redis(connection_pool=pool)
+
+
+# --- per event loop ----------------------------------------------------------------
+
+
+class Entry:
+    """A cached semaphore object, and how many calls use it (hold or wait)."""
+
+    __slots__ = ("epoch", "key", "semaphore", "state", "users")
+
+    def __init__(self, state: LoopState, key: Hashable, semaphore: Semaphore) -> None:
+        self.state = state
+        self.key = key
+        self.semaphore = semaphore
+        self.epoch = state.epoch
+        self.users = 0
+
+    def __repr__(self) -> str:
+        return f"Entry({self.semaphore!r}, users={self.users})"
+
+
+class LoopState:
+    """What aiosem created for one event loop: clients and semaphore objects.
+
+    Used from its own loop only. ``busy`` holds the objects some call uses,
+    ``idle`` the others, least recently used first; only idle objects are
+    evicted. `close` empties both and closes the clients; the state can be
+    used again afterwards (new clients, new objects).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "busy",
+        "clients",
+        "closed",
+        "epoch",
+        "evicted",
+        "idle",
+        "loop",
+        "retired",
+        "unused",
+        "users",
+        "watcher",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.clients: dict[str, redis.asyncio.Redis] = {}
+        #: Clients closed by `aiosem.aclose` while calls still ran: a late
+        #: release may have reopened a connection, closed again at the end.
+        self.retired: list[redis.asyncio.Redis] = []
+        self.busy: dict[Hashable, Entry] = {}
+        self.idle: OrderedDict[Hashable, Entry] = OrderedDict()
+        #: Objects evicted, to close (unsubscribe) before the next checkout.
+        self.evicted: list[Semaphore] = []
+        #: How many calls use an object, of this epoch or an earlier one;
+        #: `unused` is set while none does.
+        self.users = 0
+        self.unused = asyncio.Event()
+        self.unused.set()
+        #: Bumped by each `close`: entries of an earlier epoch are not cached again.
+        self.epoch = 0
+        self.closed = False
+        self.watcher = _watch(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoopState(clients={len(self.clients)}, busy={len(self.busy)}, idle={len(self.idle)}, "
+            f"closed={self.closed})"
+        )
+
+    def client_for(self, url: str) -> redis.asyncio.Redis:
+        client = self.clients.get(url)
+        if client is None:
+            client = self.clients[url] = connect(url)
+        return client
+
+    def checkout(self, key: Hashable, create: Callable[[], Semaphore]) -> Entry:
+        """The object for ``key``, counted as in use until `checkin`."""
+        entry = self.busy.get(key)
+        if entry is None:
+            entry = self.idle.pop(key, None)
+            if entry is None:
+                entry = Entry(self, key, create())
+            self.busy[key] = entry
+        entry.users += 1
+        self.users += 1
+        self.unused.clear()
+        return entry
+
+    def checkin(self, entry: Entry) -> None:
+        """A call is done with ``entry``; an object nobody uses joins the idle ones, and the oldest go."""
+        entry.users -= 1
+        self.users -= 1
+        if entry.users == 0 and self.busy.get(entry.key) is entry:
+            del self.busy[entry.key]
+            if entry.epoch == self.epoch:
+                self.idle[entry.key] = entry
+                while len(self.idle) > CACHE_SIZE:
+                    # Idle: it holds nothing and nobody waits on it; closing
+                    # it only ends its subscription.
+                    self.evicted.append(self.idle.popitem(last=False)[1].semaphore)
+        if self.users == 0:
+            self.unused.set()
+
+    async def close(self, *, final: bool) -> None:
+        """Close the semaphore objects and the clients aiosem created.
+
+        `aiosem.aclose` closes every object. At the loop's end, running
+        calls are first given time to finish, and only the objects still
+        in use then are closed: an idle one holds nothing, and closing it
+        would only talk to a client its owner may have closed already.
+        """
+        with anyio.CancelScope(shield=True):
+            if final and not self.unused.is_set():
+                # The loop's tasks are cancelled by now, but async generators
+                # closed alongside this one may still be giving permits back.
+                with anyio.move_on_after(_CLOSE_TIMEOUT):
+                    await self.unused.wait()
+            semaphores = [entry.semaphore for entry in self.busy.values()]
+            if not final:
+                semaphores += [entry.semaphore for entry in self.idle.values()] + self.evicted
+            self.busy.clear()
+            self.idle.clear()
+            self.evicted.clear()
+            self.epoch += 1
+            clients = [*self.clients.values()]
+            self.clients.clear()
+            if final:
+                clients += self.retired
+                self.retired.clear()
+                self.closed = True
+            else:
+                self.retired += clients
+            for semaphore in semaphores:
+                await _quietly(semaphore.aclose(), "closing %r", semaphore)
+            for client in clients:
+                await _quietly(client.aclose(close_connection_pool=True), "closing the client %r", client)
+
+
+async def _quietly(step: Awaitable[None], message: str, subject: object) -> None:
+    """Run a clean-up step, bounded; a failure is logged, so the other steps still run."""
+    try:
+        with anyio.fail_after(_CLOSE_TIMEOUT):
+            await step
+    except Exception:
+        logger.warning(message + " failed", subject, exc_info=True)
+
+
+async def _watch(state: LoopState) -> AsyncGenerator[None, None]:
+    """Close ``state`` when its event loop shuts down.
+
+    Started once, it stays suspended, known to the loop as one of its async
+    generators; ``asyncio.run`` and ``asyncio.Runner`` (pytest-asyncio's,
+    uvicorn's) close those after cancelling the loop's tasks and before
+    closing the loop.
+    """
+    try:
+        yield
+    finally:
+        await state.close(final=True)
+        with _lock:
+            if _states.get(state.loop) is state:
+                del _states[state.loop]
+
+
+async def loop_state() -> LoopState:
+    """The state of the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        state = _states.get(loop)
+        if state is not None and not state.closed:
+            return state
+        for other in [other for other in _states if other.is_closed()]:
+            # Closed without closing its async generators: nothing can be
+            # closed any more, only forgotten.
+            del _states[other]
+        state = _states[loop] = LoopState(loop)
+    await anext(state.watcher)
+    return state
+
+
+async def checkout(name: str, given: Options) -> Entry:
+    """Find or create the semaphore object of a call in the running loop, counted as in use.
+
+    Every setting not given is read from the configuration now; an object
+    is shared by every call with the same settings in this loop.
+
+    Raises:
+        LookupError: No limit for ``name``.
+        RuntimeError: Nothing is configured and this looks like one of
+            several worker processes.
+        ImportError: ``memory://`` without fakeredis and lupa.
+        TypeError, ValueError: The semaphore refused the settings.
+    """
+    current = _settings
+    limit = resolve_limit(name, given.limit)
+    state = await loop_state()
+    if state.evicted:
+        evicted, state.evicted = state.evicted, []
+        with anyio.CancelScope(shield=True):
+            for semaphore in evicted:
+                await _quietly(semaphore.aclose(), "closing the evicted %r", semaphore)
+    client = given.client if given.client is not None else current.client
+    if client is None:
+        client = state.client_for(default_url())
+    kind = current.kind if given.kind is None else given.kind
+    prefix = current.prefix if given.prefix is None else given.prefix
+    timeout = current.timeout if given.timeout is None else given.timeout
+    blocking_timeout = current.blocking_timeout if given.blocking_timeout is UNSET else given.blocking_timeout
+    key = (
+        id(client),
+        kind,
+        prefix,
+        name,
+        limit,
+        timeout,
+        blocking_timeout,
+        given.waiter_timeout,
+        given.refresh_interval,
+        id(given.on_lost),
+    )
+
+    def create() -> Semaphore:
+        extra: dict[str, Any] = {}
+        if given.waiter_timeout is not None:
+            extra["waiter_timeout"] = given.waiter_timeout
+        if given.refresh_interval is not None:
+            extra["refresh_interval"] = given.refresh_interval
+        if given.on_lost is not None:
+            extra["on_lost"] = given.on_lost
+        return _KINDS[kind](
+            client, name, limit, timeout=timeout, blocking_timeout=blocking_timeout, prefix=prefix, **extra
+        )
+
+    return state.checkout(key, create)
+
+
+# --- aclose ------------------------------------------------------------------------------
+
+
+async def aclose() -> None:
+    """Close everything aiosem created in the running event loop.
+
+    Every semaphore object the decorators and limiters created in this loop
+    gives back the permits held through it -- calls still holding then
+    raise `PermitLost` at their end, those still waiting fail -- and every
+    client aiosem created from a URL in this loop is closed. Clients you
+    gave (``client=``) are never closed. Call it at shutdown, once the
+    limited work is done:
+
+        try:
+            await main()
+        finally:
+            await aiosem.aclose()
+
+    Without it, the same happens when the event loop shuts down through
+    ``asyncio.run`` or ``asyncio.Runner`` (as pytest-asyncio and uvicorn
+    do). Other event loops are not touched: each is closed by its own
+    `aclose` or shutdown. aiosem can be used again afterwards; it then
+    creates new clients and objects.
+
+    Failures are logged (logger ``aiosem``), not raised, so that every step
+    runs; a permit that could not be given back ends with its lease.
+
+    Cancellation:
+        Shielded: a cancelled `aclose` still closes everything, each step
+        bounded to 5 s.
+    """
+    with _lock:
+        state = _states.get(asyncio.get_running_loop())
+    if state is not None:
+        await state.close(final=False)
+
+
+# --- tests and forks -----------------------------------------------------------------------
+
+
+def _after_fork_in_child() -> None:
+    """Forget, without closing, everything the parent process created: its sockets are not ours."""
+    global _lock, _states, _memory_server, _warned_memory, _forked  # noqa: PLW0603 -- a new process
+    # The parent may have held the lock at the fork.
+    _lock = threading.Lock()
+    _left_by_parent.append([*_states.items(), _memory_server])
+    _states = weakref.WeakKeyDictionary()
+    _memory_server = None
+    _warned_memory = False
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch -- not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _reset() -> None:
+    """Forget every setting and declaration (tests only; live loop states close with their loops)."""
+    global _settings, _warned_memory, _forked  # noqa: PLW0603 -- a clean slate
+    with _lock:
+        _settings = Settings()
+        _declared.clear()
+    _warned_memory = False
+    _forked = False

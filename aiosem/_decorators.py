@@ -1,0 +1,456 @@
+"""`limit_concurrency` and `limiter`: a limit by name, with no semaphore object to create or pass around.
+
+Both find the semaphore object of a call in the running event loop's cache
+(`aiosem._config`), creating it on first use with the settings of the call
+-- its own arguments, then `configure`'s -- and count it in use while the
+call holds or waits, so that it is never evicted from under it.
+
+A coroutine function's call holds its permit through the semaphore's own
+``async with``: kept alive in the background, its body cancelled if the
+permit is lost. An async generator outlives any one task -- each
+``__anext__`` may come from another one, and its ``aclose`` from the event
+loop's finalizer -- so its permit is taken with ``auto_refresh`` instead,
+given back when the generator ends, and a loss stops it at its next yield.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
+
+import anyio
+
+from ._config import Entry, Kind, LostCallback, Options, checkout, declare_limit, options
+from ._exceptions import AcquireTimeout, PermitLost
+from ._validation import check_name
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+    from contextlib import AbstractAsyncContextManager
+    from types import TracebackType
+
+    import redis.asyncio
+
+    from ._config import Semaphore
+    from ._semaphore import Permit
+
+__all__ = ["limit_concurrency", "limiter"]
+
+logger = logging.getLogger("aiosem")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Y = TypeVar("Y")
+S = TypeVar("S")
+
+#: How long giving back a generator's permit may take.
+_CLEANUP_TIMEOUT: Final = 5.0
+
+#: The limiters the current task is inside, innermost last, each with the
+#: cached object it entered. Tasks sharing one limiter never see each other's.
+_entered: ContextVar[tuple[tuple[_Limiter, Entry], ...]] = ContextVar("aiosem_limiters", default=())
+
+
+class _Limiter:
+    """The async context manager `limiter` returns; reusable, and shareable between tasks."""
+
+    __slots__ = ("_name", "_options")
+
+    def __init__(self, name: str, options: Options) -> None:
+        self._name = name
+        self._options = options
+
+    def __repr__(self) -> str:
+        return f"limiter({self._name!r}, limit={self._options.limit!r})"
+
+    async def __aenter__(self) -> Permit:
+        entry = await checkout(self._name, self._options)
+        try:
+            permit = await entry.semaphore.__aenter__()
+        except BaseException:
+            entry.state.checkin(entry)
+            raise
+        _entered.set((*_entered.get(), (self, entry)))
+        return permit
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        entered = _entered.get()
+        index = next((i for i in reversed(range(len(entered))) if entered[i][0] is self), None)
+        if index is None:
+            raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
+        entry = entered[index][1]
+        _entered.set(entered[:index] + entered[index + 1 :])
+        try:
+            await entry.semaphore.__aexit__(exc_type, exc, traceback)
+        finally:
+            entry.state.checkin(entry)
+
+
+def limiter(
+    name: str,
+    limit: int | None = None,
+    *,
+    timeout: float | None = None,
+    blocking_timeout: float | None = None,
+    client: redis.asyncio.Redis | None = None,
+    prefix: str | None = None,
+    kind: Kind | None = None,
+    waiter_timeout: float | None = None,
+    refresh_interval: float | None = None,
+    on_lost: LostCallback | None = None,
+) -> AbstractAsyncContextManager[Permit]:
+    """Limit a block of code by a semaphore's name.
+
+    Like entering a semaphore with ``async with``, without creating or
+    passing one around: every block entered with the same name, and the
+    same Redis and prefix, shares one limit, across every process.
+
+        async with aiosem.limiter("api", 5) as permit:
+            await call_api(fencing_token=permit.fencing_token)
+
+    The limit comes from the ``limit`` argument, else from
+    ``configure(limits=...)``, else from a `limit_concurrency` decorator
+    with the same (fixed) name created earlier in this process. Every
+    argument left out is read from `configure` when the block is entered.
+    The returned object can be kept and entered again, by any number of
+    tasks at once, each with a permit of its own.
+
+    While the block runs, its permit is kept alive in the background; if it
+    is lost anyway, the block is cancelled and `PermitLost` raised (with
+    ``on_lost``, the callback is called instead and the block runs on).
+    Do not hold a limiter across the ``yield`` of an async generator: the
+    block would belong to whichever task resumes the generator. Decorate
+    the generator function with `limit_concurrency` instead.
+
+    Args:
+        name: The semaphore's name.
+        limit: How many permits may be held at once; ``None``: configured,
+            or declared by a decorator.
+        timeout: The lease in seconds; default 10, or as configured.
+        blocking_timeout: How long to wait before raising `AcquireTimeout`,
+            in seconds; ``math.inf`` waits for ever. Default: as configured
+            (for ever).
+        client: A ``redis.asyncio.Redis`` to use instead of the configured
+            one; aiosem never closes it.
+        prefix: The first part of every key; default ``"aiosem"``.
+        kind: ``"fair"`` (`AsyncFairSemaphore`) or ``"locked"``
+            (`AsyncLockedSemaphore`); default as configured (``"fair"``).
+        waiter_timeout: See `AsyncFairSemaphore`.
+        refresh_interval: How often the permit is refreshed; default a
+            third of ``timeout``.
+        on_lost: Called with the `PermitLost` if the permit is lost, instead
+            of cancelling the block.
+
+    Returns:
+        An async context manager whose value is the `Permit`.
+
+    Raises:
+        TypeError: An argument has the wrong type (raised at once).
+        ValueError: An argument is out of range (raised at once).
+        LookupError: On entering: no limit for ``name`` anywhere.
+        AcquireTimeout: On entering: no permit within ``blocking_timeout``.
+        PermitLost: On leaving: the permit was lost while the block ran.
+        RuntimeError: On entering: nothing is configured and this process
+            looks like one of several workers (see `configure`).
+        redis.RedisError: Redis failed or could not be reached.
+
+    Cancellation:
+        As ``async with`` a semaphore: a cancelled wait leaves nothing
+        behind, and leaving the block gives the permit back, shielded from
+        cancellation and bounded to 5 s.
+    """
+    return _Limiter(
+        check_name(name),
+        options(
+            limit=limit,
+            timeout=timeout,
+            blocking_timeout=blocking_timeout,
+            prefix=prefix,
+            kind=kind,
+            client=client,
+            waiter_timeout=waiter_timeout,
+            refresh_interval=refresh_interval,
+            on_lost=on_lost,
+        ),
+    )
+
+
+class _Loss:
+    """How a generator's permit, kept alive, tells of its loss; it refers to nothing of the generator."""
+
+    __slots__ = ("lost", "on_lost")
+
+    def __init__(self, on_lost: LostCallback | None) -> None:
+        self.on_lost = on_lost
+        self.lost: PermitLost | None = None
+
+    def __call__(self, lost: PermitLost) -> None:
+        self.lost = lost
+        if self.on_lost is not None:
+            self.on_lost(lost)
+
+    def check(self) -> None:
+        """Raise the loss, unless a callback was told of it (then it is raised at the end)."""
+        if self.lost is not None and self.on_lost is None:
+            raise self.lost
+
+
+class _GeneratorHold:
+    """Hold a permit for an async generator's life, in whichever tasks drive it.
+
+    The permit is kept alive with ``auto_refresh``, not by a cancel scope:
+    the generator's body runs only while someone awaits its ``__anext__``,
+    and nobody may be cancelled for a loss between two of them.
+    """
+
+    __slots__ = ("_loss", "_permit", "_semaphore")
+
+    def __init__(self, semaphore: Semaphore, on_lost: LostCallback | None) -> None:
+        self._semaphore = semaphore
+        self._loss = _Loss(on_lost)
+        self._permit: Permit | None = None
+
+    async def __aenter__(self) -> _Loss:
+        semaphore = self._semaphore
+        self._permit = await semaphore.acquire(auto_refresh=True, on_lost=self._loss)
+        if self._permit is None:
+            assert semaphore.blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
+            raise AcquireTimeout(name=semaphore.name, blocking_timeout=semaphore.blocking_timeout)
+        return self._loss
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Give the permit back, shielded; raise `PermitLost` if it was lost and nothing else is raised."""
+        semaphore, permit, loss = self._semaphore, self._permit, self._loss
+        assert permit is not None  # noqa: S101 -- entered
+        lost = loss.lost
+        if lost is None:
+            # As in the semaphore's own ``async with``: a permit known lost is
+            # not released.
+            with anyio.CancelScope(shield=True):
+                try:
+                    with anyio.fail_after(_CLEANUP_TIMEOUT):
+                        released = await semaphore.release(permit)
+                except Exception:
+                    if exc is None:
+                        raise
+                    logger.warning("releasing %s failed after its generator ended", permit, exc_info=True)
+                    released = True  # nothing more is known than before
+            if not released:
+                lost = PermitLost(name=semaphore.name, identifier=permit.identifier)
+        if lost is None or lost is exc:
+            return
+        if exc is None:
+            raise lost
+        logger.warning("%s was lost before its generator ended with %s", permit, exc_type.__name__ if exc_type else exc)
+
+
+class _ConcurrencyLimit:
+    """The decorator `limit_concurrency` returns."""
+
+    __slots__ = ("_name", "_options")
+
+    def __init__(self, name: str | Callable[..., str], options: Options) -> None:
+        self._name = name
+        self._options = options
+
+    def __repr__(self) -> str:
+        return f"limit_concurrency({self._name!r}, limit={self._options.limit!r})"
+
+    @overload
+    def __call__(self, function: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    @overload
+    def __call__(self, function: Callable[P, AsyncGenerator[Y, S]]) -> Callable[P, AsyncGenerator[Y, S]]: ...
+    @overload
+    def __call__(self, function: Callable[P, AsyncIterator[Y]]) -> Callable[P, AsyncIterator[Y]]: ...
+    def __call__(self, function: Callable[P, Any]) -> Callable[P, Any]:
+        if inspect.isasyncgenfunction(function):
+            return self._generator(function)
+        if inspect.iscoroutinefunction(function):
+            return self._coroutine(function)
+        raise TypeError(
+            f"limit_concurrency decorates async def functions and async generator functions; "
+            f"{getattr(function, '__qualname__', function)!r} is neither (a synchronous function "
+            "would block its event loop while it waits for a permit)"
+        )
+
+    def _key(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The name of the semaphore of one call."""
+        if isinstance(self._name, str):
+            return self._name
+        name = self._name(*args, **kwargs)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"the name function of @limit_concurrency on {function.__qualname__} must return a str, "
+                f"not {type(name).__name__}"
+            )
+        if not name:
+            raise ValueError(f"the name function of @limit_concurrency on {function.__qualname__} returned ''")
+        return name
+
+    def _coroutine(self, function: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+        @functools.wraps(function)
+        async def limited(*args: P.args, **kwargs: P.kwargs) -> R:
+            entry = await checkout(self._key(function, args, kwargs), self._options)
+            try:
+                async with entry.semaphore:
+                    return await function(*args, **kwargs)
+            finally:
+                entry.state.checkin(entry)
+
+        return limited
+
+    def _generator(self, function: Callable[P, AsyncGenerator[Y, S]]) -> Callable[P, AsyncGenerator[Y, S]]:
+        @functools.wraps(function)
+        async def limited(*args: P.args, **kwargs: P.kwargs) -> AsyncGenerator[Y, S]:
+            entry = await checkout(self._key(function, args, kwargs), self._options)
+            try:
+                async with _GeneratorHold(entry.semaphore, self._options.on_lost) as loss:
+                    generator = function(*args, **kwargs)
+                    try:
+                        # Forward what the consumer sends and throws, as
+                        # `yield from` would; a loss stops it at a yield.
+                        step: Awaitable[Y] = generator.asend(None)  # type: ignore[arg-type]
+                        while True:
+                            try:
+                                value = await step
+                            except StopAsyncIteration:
+                                return
+                            loss.check()
+                            try:
+                                sent = yield value
+                            except GeneratorExit:
+                                raise
+                            except BaseException as thrown:  # noqa: BLE001 -- athrow() is forwarded, whatever it is
+                                step = generator.athrow(thrown)
+                            else:
+                                step = generator.asend(sent)
+                    finally:
+                        await generator.aclose()
+            finally:
+                entry.state.checkin(entry)
+
+        return limited
+
+
+def limit_concurrency(
+    name: str | Callable[..., str],
+    limit: int | None = None,
+    *,
+    timeout: float | None = None,
+    blocking_timeout: float | None = None,
+    client: redis.asyncio.Redis | None = None,
+    prefix: str | None = None,
+    kind: Kind | None = None,
+    waiter_timeout: float | None = None,
+    refresh_interval: float | None = None,
+    on_lost: LostCallback | None = None,
+) -> _ConcurrencyLimit:
+    """Limit how many calls of an async function run at once, across every process.
+
+    Each call takes a permit of the semaphore ``name`` before it starts and
+    gives it back when it ends; every function decorated with the same name,
+    and every `limiter` of it, share one limit.
+
+        @aiosem.limit_concurrency("db", 3)
+        async def query(sql: str) -> list[Row]: ...
+
+    ``name`` may be a function of the call's arguments -- the same
+    arguments, ``self`` included for a method -- returning the name, to
+    limit each key on its own:
+
+        @aiosem.limit_concurrency(lambda url: f"host:{urlsplit(url).hostname}", 3)
+        async def fetch(url: str) -> bytes: ...  # 3 at once per host
+
+    Each event loop keeps the semaphore objects it created: those in use,
+    and the 1024 idle ones used most recently; so a crawler meeting a
+    hundred thousand hosts keeps about as many objects as it has calls in
+    flight.
+
+    The decorated function keeps its signature and type. It may be an
+    ``async def`` function or method -- the permit is held for the call --
+    or an async generator function: the permit is taken at the first
+    ``__anext__`` and held, kept alive in the background, until the
+    generator is exhausted, raises or is closed. A generator abandoned
+    unclosed holds it until the event loop finalizes it (at once in
+    CPython, once nothing refers to it), and its lease runs out at most
+    ``timeout`` after the loop stops.
+
+    A fixed ``name`` with a ``limit`` declares that limit for a `limiter`
+    of the same name given none. Arguments left out are read from
+    `configure` at each call; the limit too, when ``limit`` is ``None``.
+
+    A call of the decorated function raises what the function raises, and:
+    `LookupError` if no limit is known for its name, `AcquireTimeout` if no
+    permit came within ``blocking_timeout``, `PermitLost` if the permit was
+    lost while the call ran (the call is cancelled at once; an async
+    generator stops at its next ``yield``), `RuntimeError` if nothing is
+    configured in a process that looks like one of several workers (see
+    `configure`), and ``redis.RedisError`` if Redis failed.
+
+    Args:
+        name: The semaphore's name, or a function of the call's arguments
+            returning it.
+        limit: How many calls may hold a permit at once; ``None``: the
+            one ``configure(limits=...)`` gives for the name.
+        timeout: The lease in seconds; default 10, or as configured.
+        blocking_timeout: How long a call waits before raising
+            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
+            Default: as configured (for ever).
+        client: A ``redis.asyncio.Redis`` to use instead of the configured
+            one; aiosem never closes it.
+        prefix: The first part of every key; default ``"aiosem"``.
+        kind: ``"fair"`` (`AsyncFairSemaphore`) or ``"locked"``
+            (`AsyncLockedSemaphore`); default as configured (``"fair"``).
+        waiter_timeout: See `AsyncFairSemaphore`.
+        refresh_interval: How often a held permit is refreshed; default a
+            third of ``timeout``.
+        on_lost: Called with the `PermitLost` if a call's permit is lost,
+            instead of cancelling the call; `PermitLost` is still raised
+            when the call ends.
+
+    Returns:
+        The decorator.
+
+    Raises:
+        TypeError: An argument has the wrong type; or, from the decorator,
+            the function is not an ``async def`` or async generator
+            function.
+        ValueError: An argument is out of range.
+
+    Cancellation:
+        A call cancelled while it waits leaves nothing behind; one
+        cancelled while it runs gives its permit back, shielded from the
+        cancellation and bounded to 5 s, before the cancellation
+        propagates. So does a generator closed or cancelled mid-way.
+    """
+    if not (isinstance(name, str) or callable(name)):
+        raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
+    checked = options(
+        limit=limit,
+        timeout=timeout,
+        blocking_timeout=blocking_timeout,
+        prefix=prefix,
+        kind=kind,
+        client=client,
+        waiter_timeout=waiter_timeout,
+        refresh_interval=refresh_interval,
+        on_lost=on_lost,
+    )
+    if isinstance(name, str):
+        check_name(name)
+        if checked.limit is not None:
+            declare_limit(name, checked.limit)
+    return _ConcurrencyLimit(name, checked)

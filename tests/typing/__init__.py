@@ -1,0 +1,1 @@
+"""Modules that only the type checker runs: ``mypy --strict`` must accept them as they are."""
