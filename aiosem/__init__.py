@@ -19,6 +19,7 @@ from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore as AsyncLockedSemaphore
+from ._rate import AsyncRateLimiter as AsyncRateLimiter
 from ._semaphore import Permit as Permit
 from ._semaphore import SemaphoreStatistics as SemaphoreStatistics
 
@@ -26,6 +27,7 @@ __all__ = [
     "AcquireTimeout",
     "AsyncFairSemaphore",
     "AsyncLockedSemaphore",
+    "AsyncRateLimiter",
     "LimitMismatch",
     "Permit",
     "PermitLost",

@@ -89,6 +89,11 @@ class SemaphoreKeys:
         return f"{self.base}:limit"
 
     @property
+    def rate(self) -> str:
+        """The rate limiter of the same name: its theoretical arrival time."""
+        return f"{self.base}:rate"
+
+    @property
     def channels(self) -> str:
         """The prefix of the wake-up channels; a process's channel is this plus its token."""
         return f"{self.base}:wake:"

@@ -1,0 +1,231 @@
+"""`AsyncRateLimiter`: so many calls per time window, shared through Redis (GCRA)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Final
+
+import anyio
+
+from ._exceptions import AcquireTimeout
+from ._keys import SemaphoreKeys, check_prefix
+from ._scripts import RATE_ACQUIRE
+from ._semaphore import DEFAULT, _Default
+from ._validation import check_name, check_wait
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
+
+    from redis.asyncio import Redis
+
+__all__ = ["AsyncRateLimiter"]
+
+logger = logging.getLogger("aiosem")
+
+#: How long giving back the slot of a cancelled wait may take.
+_CLEANUP_TIMEOUT: Final = 5.0
+_MICROSECONDS: Final = 1_000_000
+#: The most permits one window may hold: Redis and Lua count in doubles.
+_MOST_BURST: Final = 1_000_000
+
+
+def _check_positive(value: object, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a number, not {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(f"{argument} must be a positive, finite number, got {value}")
+    return float(value)
+
+
+def _check_burst(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"burst must be an int, not {type(value).__name__}")
+    if not 1 <= value <= _MOST_BURST:
+        raise ValueError(f"burst must be between 1 and {_MOST_BURST:,}, got {value}")
+    return value
+
+
+class AsyncRateLimiter:
+    """At most ``rate`` calls per ``per`` seconds, shared through Redis, in arrival order.
+
+    Like `aiolimiter.AsyncLimiter`, but the count lives in Redis, so every
+    process using the same name and Redis shares one rate:
+
+        api = AsyncRateLimiter(redis, "api", rate=5, per=1.0)   # 5 calls a second
+        async with api:
+            await call_the_api()
+
+    It is GCRA, the generic cell rate algorithm: one key holds the
+    *theoretical arrival time*, and each call, in one atomic script on the
+    server's clock, reserves the next slot -- one emission interval
+    (``per / rate``) after the last -- and is told how long until it. The
+    caller then sleeps once, exactly that long: no polling, and callers are
+    served in the order their calls reached Redis. ``burst`` slots may be
+    taken at once by a limiter that was at rest. The key expires when the
+    limiter comes to rest: nothing is stored per call, nor for an idle name.
+
+    Args:
+        client: A ``redis.asyncio.Redis`` client; the limiter borrows it.
+        name: The limiter's name: any non-empty string. Its key shares the
+            hash tag of the semaphore of the same name.
+        rate: How many calls per ``per`` seconds (a positive number).
+        per: The window, in seconds (positive; default 1).
+        burst: How many calls an idle limiter lets through at once (at
+            least 1, the default: calls are spaced evenly).
+        blocking_timeout: How long `acquire` and ``async with`` wait by
+            default, in seconds; ``None`` waits for ever.
+        prefix: The first part of the key (no braces).
+        clock: Read the time here instead of on the Redis server (as the
+            semaphores' ``clock``; then every client's clock must agree).
+
+    Raises:
+        TypeError: An argument has the wrong type (the message names it).
+        ValueError: An argument is out of range (the message names it).
+    """
+
+    __slots__ = ("_blocking_timeout", "_burst", "_client", "_clock", "_interval_us", "_key", "_name", "_per", "_rate")
+
+    def __init__(
+        self,
+        client: Redis,
+        name: str,
+        rate: float,
+        per: float = 1.0,
+        *,
+        burst: int = 1,
+        blocking_timeout: float | None = None,
+        prefix: str = "aiosem",
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._name = check_name(name)
+        self._rate = _check_positive(rate, "rate")
+        self._per = _check_positive(per, "per")
+        self._burst = _check_burst(burst)
+        self._blocking_timeout = check_wait(blocking_timeout)
+        self._key = SemaphoreKeys.for_name(check_prefix(prefix), name).rate
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
+        self._clock = clock
+        self._client = client
+        self._interval_us = max(1, round(self._per / self._rate * _MICROSECONDS))
+
+    @property
+    def name(self) -> str:
+        """The limiter's name."""
+        return self._name
+
+    @property
+    def rate(self) -> float:
+        """How many calls per ``per`` seconds."""
+        return self._rate
+
+    @property
+    def per(self) -> float:
+        """The window, in seconds."""
+        return self._per
+
+    @property
+    def burst(self) -> int:
+        """How many calls an idle limiter lets through at once."""
+        return self._burst
+
+    @property
+    def blocking_timeout(self) -> float | None:
+        """How long `acquire` and ``async with`` wait by default (``None``: for ever)."""
+        return self._blocking_timeout
+
+    @property
+    def key(self) -> str:
+        """The Redis key the limiter's state lives under (while it is not at rest)."""
+        return self._key
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncRateLimiter(name={self._name!r}, rate={self._rate:g}, per={self._per:g}, burst={self._burst}, "
+            f"blocking_timeout={self._blocking_timeout!r}, key={self._key!r})"
+        )
+
+    async def _run(self, mode: str, argument: str) -> tuple[bool, float, int]:
+        now = "" if self._clock is None else repr(self._clock())
+        tolerance = (self._burst - 1) * self._interval_us
+        granted, wait, tat = await RATE_ACQUIRE.run(
+            self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
+        )
+        return int(granted) == 1, int(wait) / _MICROSECONDS, int(tat)
+
+    async def acquire(self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT) -> bool:
+        """Take a slot, waiting for it if ``blocking``.
+
+        One call to Redis reserves the next slot and says when it comes; the
+        call then sleeps until then, once. A slot further away than
+        ``blocking_timeout`` is not reserved, and the call returns ``False``
+        at once: it would only have waited to fail.
+
+        Args:
+            blocking: Wait for a slot; with ``False``, take one only if it
+                is free now.
+            blocking_timeout: How long to wait at most, in seconds; ``None``
+                or infinity waits for ever. Defaults to the limiter's.
+
+        Returns:
+            ``True`` once the slot has come; ``False`` if none could be had
+            in time.
+
+        Raises:
+            TypeError: ``blocking_timeout`` is not a number.
+            ValueError: ``blocking_timeout`` is negative or NaN.
+            redis.RedisError: Redis failed or could not be reached.
+
+        Cancellation:
+            A call cancelled while it sleeps gives its slot back (shielded,
+            bounded to 5 s) if nobody reserved one after it, so a cancelled
+            caller does not slow the others down. One cancelled while its
+            reservation is on its way to Redis may leave that slot unused.
+        """
+        wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
+        if not blocking:
+            granted, _, _ = await self._run("try", "")
+            return granted
+        longest = "" if wait is None else str(math.floor(wait * _MICROSECONDS))
+        granted, delay, tat = await self._run("reserve", longest)
+        if not granted:
+            return False
+        if delay > 0:
+            try:
+                await anyio.sleep(delay)
+            except BaseException:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
+                    try:
+                        await self._run("return", str(tat))
+                    except Exception:
+                        logger.warning("could not give back the slot of a cancelled wait on %r", self, exc_info=True)
+                raise
+        return True
+
+    async def try_acquire(self) -> bool:
+        """Take a slot if one is free now, without waiting; the same as ``acquire(blocking=False)``."""
+        return await self.acquire(blocking=False)
+
+    async def aclose(self) -> None:
+        """Nothing to give back or stop: a limiter keeps nothing in the background."""
+
+    async def __aenter__(self) -> None:
+        """Wait for a slot, up to ``blocking_timeout``.
+
+        Raises:
+            AcquireTimeout: No slot within ``blocking_timeout``.
+            redis.RedisError: Redis failed or could not be reached.
+        """
+        if not await self.acquire():
+            assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
+            raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Nothing: a slot, once come, is used."""
