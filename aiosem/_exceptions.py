@@ -33,10 +33,11 @@ class SemaphoreError(Exception):
 
 
 class AcquireTimeout(SemaphoreError, TimeoutError):
-    """No permit could be had within the blocking timeout.
+    """No permit (or rate limiter slot) could be had within the blocking timeout.
 
-    Raised by ``async with semaphore`` when ``blocking_timeout`` runs out;
-    `acquire` returns ``None`` instead. Also a `TimeoutError`, so code that
+    Raised by ``async with semaphore`` (or a rate limiter) when
+    ``blocking_timeout`` runs out; `acquire` returns ``None`` (``False``)
+    instead. Also a `TimeoutError`, so code that
     handles timeouts generically catches it too.
 
     Attributes:
@@ -44,11 +45,8 @@ class AcquireTimeout(SemaphoreError, TimeoutError):
         blocking_timeout: How long the caller waited, in seconds.
     """
 
-    def __init__(self, *, name: str, blocking_timeout: float) -> None:
-        super().__init__(
-            f"no permit of semaphore {name!r} within {blocking_timeout:g} s",
-            name=name,
-        )
+    def __init__(self, *, name: str, blocking_timeout: float, what: str = "permit of semaphore") -> None:
+        super().__init__(f"no {what} {name!r} within {blocking_timeout:g} s", name=name)
         #: How long the caller waited, in seconds.
         self.blocking_timeout = blocking_timeout
 

@@ -220,7 +220,7 @@ class AsyncRateLimiter:
         """
         if not await self.acquire():
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
-            raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
+            raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout, what="slot of rate limiter")
 
     async def __aexit__(
         self,

@@ -83,7 +83,7 @@ async def test_a_slot_further_than_the_blocking_timeout_is_not_reserved(
     before = await client.get(limiter.key)
     assert not await limiter.acquire(blocking_timeout=0.5)
     assert await client.get(limiter.key) == before
-    with pytest.raises(AcquireTimeout):
+    with pytest.raises(AcquireTimeout, match=r"^no slot of rate limiter 'api' within 0\.5 s$"):
         async with AsyncRateLimiter(client, "api", 1, clock=clock, blocking_timeout=0.5):
             pass
 
