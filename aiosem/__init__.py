@@ -12,7 +12,9 @@ from importlib.metadata import version as _version
 from ._config import aclose as aclose
 from ._config import configure as configure
 from ._decorators import limit_concurrency as limit_concurrency
+from ._decorators import limit_rate as limit_rate
 from ._decorators import limiter as limiter
+from ._decorators import rate_limiter as rate_limiter
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import LimitMismatch as LimitMismatch
 from ._exceptions import PermitLost as PermitLost
@@ -37,7 +39,9 @@ __all__ = [
     "aclose",
     "configure",
     "limit_concurrency",
+    "limit_rate",
     "limiter",
+    "rate_limiter",
 ]
 
 __version__ = _version("aiosem")

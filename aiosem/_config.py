@@ -1,4 +1,8 @@
-"""Where `limit_concurrency` and `limiter` get their Redis, their defaults and their semaphores.
+"""Where the decorators and limiters get their Redis, their defaults and their objects.
+
+`limit_concurrency` and `limiter` use semaphore objects, `limit_rate` and
+`rate_limiter` rate limiter objects; both kinds are found the same way, in
+the same per-loop cache, from the same settings.
 
 Three layers, from the longest-lived:
 
@@ -8,7 +12,7 @@ Three layers, from the longest-lived:
   what its master configured.
 - **Per event loop** (`LoopState`): the clients created from a URL -- a
   ``redis.asyncio`` client must never cross event loops -- and the
-  semaphore objects, in a cache bounded to `CACHE_SIZE` idle objects that
+  semaphore and rate limiter objects, in a cache bounded to `CACHE_SIZE` idle objects that
   never evicts one in use. Each state closes itself when its loop shuts
   down (``asyncio.run``, ``asyncio.Runner`` and pytest-asyncio close the
   loop's async generators first; the state watches its loop with one), and
@@ -32,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NamedTuple, TypeAlias, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
@@ -42,7 +46,8 @@ from ._exceptions import PermitLost
 from ._fair import AsyncFairSemaphore
 from ._keys import check_prefix
 from ._locked import AsyncLockedSemaphore
-from ._validation import check_limit, check_name, check_timeout, check_wait
+from ._rate import AsyncRateLimiter
+from ._validation import check_burst, check_limit, check_name, check_positive, check_timeout, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable
@@ -53,6 +58,10 @@ logger = logging.getLogger("aiosem")
 
 Kind: TypeAlias = Literal["fair", "locked"]
 Semaphore: TypeAlias = AsyncFairSemaphore | AsyncLockedSemaphore
+#: What the cache holds: semaphores and rate limiters.
+Limited: TypeAlias = AsyncFairSemaphore | AsyncLockedSemaphore | AsyncRateLimiter
+L = TypeVar("L", bound=Limited)
+V = TypeVar("V")
 LostCallback: TypeAlias = Callable[[PermitLost], object]
 
 #: The environment variable read when `configure` was given no URL or client.
@@ -74,7 +83,7 @@ SOCKET_TIMEOUT: Final = 5.0
 #: a connection or two at a time whatever the number of its tasks.
 MAX_CONNECTIONS: Final = 64
 POOL_TIMEOUT: Final = 5.0
-#: How many idle semaphore objects each event loop keeps, least recently used
+#: How many idle objects (semaphores and rate limiters) each event loop keeps, least recently used
 #: first out. Objects in use (holding or waiting) are never evicted and not
 #: counted. (Not `Final`: the tests make it small.)
 CACHE_SIZE = 1024
@@ -90,6 +99,14 @@ class _Unset(enum.Enum):
 UNSET: Final = _Unset.token
 
 
+class Rate(NamedTuple):
+    """A rate limiter's rate: ``rate`` calls per ``per`` seconds, ``burst`` at once from rest."""
+
+    rate: float
+    per: float = 1.0
+    burst: int = 1
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What `configure` set; replaced whole by each call, never changed in place."""
@@ -101,27 +118,89 @@ class Settings:
     blocking_timeout: float | None = None
     kind: Kind = "fair"
     limits: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    rates: Mapping[str, Rate] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
-class Options:
-    """What one decorator or limiter was given; ``None`` or `UNSET`: from the settings."""
+class Options(Generic[L]):
+    """What one decorator or limiter was given; ``None`` or `UNSET`: from the settings.
+
+    The part every kind of object shares; each subclass adds its own and
+    says, in `resolve`, which object a call uses.
+    """
+
+    blocking_timeout: float | _Unset | None = UNSET
+    prefix: str | None = None
+    client: redis.asyncio.Redis | None = None
+
+    def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[L]]:
+        """What tells this kind's objects of ``name`` apart, and how to create one.
+
+        Reads what was not given from ``current``; raises `LookupError`
+        before anything else is done if the object cannot be created.
+        """
+        raise NotImplementedError
+
+
+#: Creates a cached object from the client, the name, the prefix and the blocking timeout.
+Factory: TypeAlias = Callable[[redis.asyncio.Redis, str, str, float | None], L]
+
+
+@dataclass(frozen=True, slots=True)
+class SemaphoreOptions(Options[Semaphore]):
+    """What `limit_concurrency` or `limiter` was given."""
 
     limit: int | None = None
     timeout: float | None = None
-    blocking_timeout: float | _Unset | None = UNSET
-    prefix: str | None = None
     kind: Kind | None = None
-    client: redis.asyncio.Redis | None = None
     waiter_timeout: float | None = None
     refresh_interval: float | None = None
     on_lost: LostCallback | None = None
 
+    def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[Semaphore]]:
+        limit = LIMITS.resolve(name, self.limit)
+        kind = current.kind if self.kind is None else self.kind
+        timeout = current.timeout if self.timeout is None else self.timeout
+        extra: dict[str, Any] = {}
+        if self.waiter_timeout is not None:
+            extra["waiter_timeout"] = self.waiter_timeout
+        if self.refresh_interval is not None:
+            extra["refresh_interval"] = self.refresh_interval
+        if self.on_lost is not None:
+            extra["on_lost"] = self.on_lost
+
+        def create(client: redis.asyncio.Redis, name: str, prefix: str, blocking_timeout: float | None) -> Semaphore:
+            return _KINDS[kind](
+                client, name, limit, timeout=timeout, blocking_timeout=blocking_timeout, prefix=prefix, **extra
+            )
+
+        key = (kind, limit, timeout, self.waiter_timeout, self.refresh_interval, id(self.on_lost))
+        return key, create
+
+
+@dataclass(frozen=True, slots=True)
+class RateOptions(Options[AsyncRateLimiter]):
+    """What `limit_rate` or `rate_limiter` was given: a whole `Rate`, or ``None`` for the configured one."""
+
+    rate: Rate | None = None
+
+    def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[AsyncRateLimiter]]:
+        rate, per, burst = RATES.resolve(name, self.rate)
+
+        def create(
+            client: redis.asyncio.Redis, name: str, prefix: str, blocking_timeout: float | None
+        ) -> AsyncRateLimiter:
+            return AsyncRateLimiter(
+                client, name, rate, per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix
+            )
+
+        return ("rate", rate, per, burst), create
+
 
 _lock = threading.Lock()
 _settings = Settings()
-#: The limits decorators with a fixed name declared, by name.
-_declared: dict[str, set[int]] = {}
+#: What decorators with a fixed name declared, by setting and name: limits, rates.
+_declared: dict[tuple[str, str], set[Any]] = {}
 _states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState] = weakref.WeakKeyDictionary()
 _memory_server: Any = None
 _warned_memory = False
@@ -179,7 +258,45 @@ def check_limits(value: object) -> dict[str, int]:
     return checked
 
 
-def options(
+def check_rate(rate: object, per: object = 1.0, burst: object = 1) -> Rate:
+    """A whole rate, each part checked as `AsyncRateLimiter` checks it."""
+    return Rate(check_positive(rate, "rate"), check_positive(per, "per"), check_burst(burst))
+
+
+def check_rates(value: object) -> dict[str, Rate]:
+    """``{name: rate}`` (calls per second), ``{name: (rate, per)}`` or ``{name: (rate, per, burst)}``."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"rates must be a mapping of names to rates, not {type(value).__name__}")
+    checked = {}
+    for name, rate in value.items():
+        check_name(name, "a name in rates")
+        if isinstance(rate, tuple) and len(rate) in (2, 3):
+            parts = rate
+        elif isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            parts = (rate,)
+        else:
+            raise TypeError(
+                f"rates[{name!r}] must be a number of calls per second, or a (rate, per) or (rate, per, burst) "
+                f"tuple, not {type(rate).__name__}" + (f" of {len(rate)}" if isinstance(rate, tuple) else "")
+            )
+        try:
+            checked[name] = check_rate(*parts)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"rates[{name!r}]: {error}") from None
+    return checked
+
+
+def _common(blocking_timeout: float | None, prefix: str | None, client: redis.asyncio.Redis | None) -> dict[str, Any]:
+    """The checked arguments every decorator and limiter takes."""
+    return {
+        # None is "configured"; infinity is "for ever", whatever is configured.
+        "blocking_timeout": UNSET if blocking_timeout is None else check_wait(blocking_timeout),
+        "prefix": None if prefix is None else check_prefix(prefix),
+        "client": None if client is None else check_client(client),
+    }
+
+
+def semaphore_options(
     *,
     limit: int | None,
     timeout: float | None,
@@ -190,22 +307,40 @@ def options(
     waiter_timeout: float | None,
     refresh_interval: float | None,
     on_lost: LostCallback | None,
-) -> Options:
-    """Check what a decorator or limiter was given, as its signature promises; ``None`` means "configured"."""
+) -> SemaphoreOptions:
+    """Check what a semaphore's decorator or limiter was given; ``None`` means "configured"."""
     if on_lost is not None and not callable(on_lost):
         raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
-    return Options(
+    return SemaphoreOptions(
         limit=None if limit is None else check_limit(limit),
         timeout=None if timeout is None else check_timeout(timeout),
-        # None is "configured"; infinity is "for ever", whatever is configured.
-        blocking_timeout=UNSET if blocking_timeout is None else check_wait(blocking_timeout),
-        prefix=None if prefix is None else check_prefix(prefix),
         kind=None if kind is None else check_kind(kind),
-        client=None if client is None else check_client(client),
         waiter_timeout=None if waiter_timeout is None else check_timeout(waiter_timeout, "waiter_timeout"),
         refresh_interval=None if refresh_interval is None else check_timeout(refresh_interval, "refresh_interval"),
         on_lost=on_lost,
+        **_common(blocking_timeout, prefix, client),
     )
+
+
+def rate_options(
+    *,
+    rate: float | None,
+    per: float | None,
+    burst: int | None,
+    blocking_timeout: float | None,
+    prefix: str | None,
+    client: redis.asyncio.Redis | None,
+) -> RateOptions:
+    """Check what a rate limiter's decorator or limiter was given; no ``rate``: the configured one, whole."""
+    if rate is None:
+        if per is not None or burst is not None:
+            raise ValueError(
+                "per and burst go with rate: give rate= too, or none of them to use the configured or declared rate"
+            )
+        whole = None
+    else:
+        whole = check_rate(rate, 1.0 if per is None else per, 1 if burst is None else burst)
+    return RateOptions(rate=whole, **_common(blocking_timeout, prefix, client))
 
 
 # --- configure -------------------------------------------------------------------
@@ -220,8 +355,9 @@ def configure(
     blocking_timeout: float | None = None,
     limits: Mapping[str, int] | None = None,
     kind: Kind | None = None,
+    rates: Mapping[str, float | tuple[float, float] | tuple[float, float, int]] | None = None,
 ) -> None:
-    """Set the defaults of `limit_concurrency` and `limiter` for the whole process.
+    """Set the defaults of the decorators and limiters for the whole process.
 
     Each argument given replaces that setting; those left out (``None``)
     keep theirs, so it can be called several times, from several places.
@@ -231,7 +367,7 @@ def configure(
     keeps what it started with. Arguments given to a decorator or limiter
     win over these.
 
-        aiosem.configure(url="redis://localhost:6379/0", limits={"api": 5})
+        aiosem.configure(url="redis://localhost:6379/0", limits={"api": 5}, rates={"api": (10, 1.0)})
 
     Where the decorator and limiter connect, first match wins: their own
     ``client=``; ``configure(client=...)``; ``configure(url=...)``; the
@@ -256,13 +392,17 @@ def configure(
         prefix: The first part of every key (default ``"aiosem"``).
         timeout: The lease in seconds (default 10): every user of a
             semaphore must use the same one.
-        blocking_timeout: How long to wait for a permit before
-            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever
-            (the default).
+        blocking_timeout: How long to wait for a permit or a rate limiter's
+            slot before `AcquireTimeout`, in seconds; ``math.inf`` waits for
+            ever (the default).
         limits: Limits by semaphore name, added to those set before: used
             by a decorator or limiter not given a ``limit``.
         kind: ``"fair"`` (`AsyncFairSemaphore`, the default) or ``"locked"``
             (`AsyncLockedSemaphore`, for servers without Lua).
+        rates: Rates by rate limiter name, added to those set before: used
+            by `limit_rate` and `rate_limiter` when not given a ``rate``.
+            Each is a number of calls per second, a ``(rate, per)`` tuple
+            (``rate`` calls per ``per`` seconds), or ``(rate, per, burst)``.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -289,9 +429,12 @@ def configure(
     if kind is not None:
         changes["kind"] = check_kind(kind)
     checked_limits = None if limits is None else check_limits(limits)
+    checked_rates = None if rates is None else check_rates(rates)
     with _lock:
         if checked_limits is not None:
             changes["limits"] = MappingProxyType({**_settings.limits, **checked_limits})
+        if checked_rates is not None:
+            changes["rates"] = MappingProxyType({**_settings.rates, **checked_rates})
         _settings = replace(_settings, **changes)
 
 
@@ -300,32 +443,49 @@ def settings() -> Settings:
     return _settings
 
 
-def declare_limit(name: str, limit: int) -> None:
-    """Note that a decorator limits ``name`` to ``limit``: a `limiter` without a limit may use it."""
-    with _lock:
-        _declared.setdefault(name, set()).add(limit)
+@dataclass(frozen=True, slots=True)
+class Declarable(Generic[V]):
+    """A setting by name -- a semaphore's limit, a rate limiter's rate -- that a decorator may declare."""
 
+    #: The argument that gives it, as in "pass limit=".
+    argument: str
+    #: What it belongs to, as in "no limit for semaphore 'api'".
+    owner: str
+    #: The `configure` argument and `Settings` field of these settings by name.
+    setting: str
+    #: The decorator that declares it.
+    decorator: str
 
-def resolve_limit(name: str, limit: int | None) -> int:
-    """The limit of a call: given, else configured, else declared by a decorator."""
-    if limit is not None:
-        return limit
-    configured = _settings.limits.get(name)
-    if configured is not None:
-        return configured
-    with _lock:
-        declared = sorted(_declared.get(name, ()))
-    if len(declared) == 1:
-        return declared[0]
-    if declared:
+    def declare(self, name: str, value: V) -> None:
+        """Note that a decorator gives ``name`` this value: a limiter given none may use it."""
+        with _lock:
+            _declared.setdefault((self.setting, name), set()).add(value)
+
+    def resolve(self, name: str, given: V | None) -> V:
+        """The value of a call: given, else configured, else declared by a decorator."""
+        if given is not None:
+            return given
+        configured: Mapping[str, V] = getattr(_settings, self.setting)
+        if name in configured:
+            return configured[name]
+        with _lock:
+            declared = sorted(_declared.get((self.setting, name), ()))
+        if len(declared) == 1:
+            return declared[0]  # type: ignore[no-any-return]
+        what = f"no {self.argument} for {self.owner} {name!r}"
+        if declared:
+            raise LookupError(
+                f"{what}: decorators declare it with different {self.setting} {declared}; "
+                f"pass {self.argument}=, or set one with aiosem.configure({self.setting}={{{name!r}: ...}})"
+            )
         raise LookupError(
-            f"no limit for semaphore {name!r}: decorators declare it with different limits {declared}; "
-            f"pass limit=, or set one with aiosem.configure(limits={{{name!r}: ...}})"
+            f"{what}: pass {self.argument}=, set one with aiosem.configure({self.setting}={{{name!r}: ...}}), "
+            f"or decorate a function with @{self.decorator}({name!r}, ...) first"
         )
-    raise LookupError(
-        f"no limit for semaphore {name!r}: pass limit=, set one with aiosem.configure(limits={{{name!r}: ...}}), "
-        f"or decorate a function with @limit_concurrency({name!r}, ...) first"
-    )
+
+
+LIMITS: Final[Declarable[int]] = Declarable("limit", "semaphore", "limits", "limit_concurrency")
+RATES: Final[Declarable[Rate]] = Declarable("rate", "rate limiter", "rates", "limit_rate")
 
 
 # --- where to connect ----------------------------------------------------------------
@@ -410,24 +570,24 @@ def connect(url: str) -> redis.asyncio.Redis:
 # --- per event loop ----------------------------------------------------------------
 
 
-class Entry:
-    """A cached semaphore object, and how many calls use it (hold or wait)."""
+class Entry(Generic[L]):
+    """A cached object -- a semaphore or a rate limiter -- and how many calls use it (hold or wait)."""
 
-    __slots__ = ("epoch", "key", "semaphore", "state", "users")
+    __slots__ = ("cached", "epoch", "key", "state", "users")
 
-    def __init__(self, state: LoopState, key: Hashable, semaphore: Semaphore) -> None:
+    def __init__(self, state: LoopState, key: Hashable, cached: L) -> None:
         self.state = state
         self.key = key
-        self.semaphore = semaphore
+        self.cached = cached
         self.epoch = state.epoch
         self.users = 0
 
     def __repr__(self) -> str:
-        return f"Entry({self.semaphore!r}, users={self.users})"
+        return f"Entry({self.cached!r}, users={self.users})"
 
 
 class LoopState:
-    """What aiosem created for one event loop: clients and semaphore objects.
+    """What aiosem created for one event loop: clients, semaphore and rate limiter objects.
 
     Used from its own loop only. ``busy`` holds the objects some call uses,
     ``idle`` the others, least recently used first; only idle objects are
@@ -456,10 +616,10 @@ class LoopState:
         #: Clients closed by `aiosem.aclose` while calls still ran: a late
         #: release may have reopened a connection, closed again at the end.
         self.retired: list[redis.asyncio.Redis] = []
-        self.busy: dict[Hashable, Entry] = {}
-        self.idle: OrderedDict[Hashable, Entry] = OrderedDict()
+        self.busy: dict[Hashable, Entry[Any]] = {}
+        self.idle: OrderedDict[Hashable, Entry[Any]] = OrderedDict()
         #: Objects evicted, to close (unsubscribe) before the next checkout.
-        self.evicted: list[Semaphore] = []
+        self.evicted: list[Limited] = []
         #: How many calls use an object, of this epoch or an earlier one;
         #: `unused` is set while none does.
         self.users = 0
@@ -482,9 +642,9 @@ class LoopState:
             client = self.clients[url] = connect(url)
         return client
 
-    def checkout(self, key: Hashable, create: Callable[[], Semaphore]) -> Entry:
+    def checkout(self, key: Hashable, create: Callable[[], L]) -> Entry[L]:
         """The object for ``key``, counted as in use until `checkin`."""
-        entry = self.busy.get(key)
+        entry: Entry[L] | None = self.busy.get(key)
         if entry is None:
             entry = self.idle.pop(key, None)
             if entry is None:
@@ -495,7 +655,7 @@ class LoopState:
         self.unused.clear()
         return entry
 
-    def checkin(self, entry: Entry) -> None:
+    def checkin(self, entry: Entry[Any]) -> None:
         """A call is done with ``entry``; an object nobody uses joins the idle ones, and the oldest go."""
         entry.users -= 1
         self.users -= 1
@@ -506,12 +666,12 @@ class LoopState:
                 while len(self.idle) > CACHE_SIZE:
                     # Idle: it holds nothing and nobody waits on it; closing
                     # it only ends its subscription.
-                    self.evicted.append(self.idle.popitem(last=False)[1].semaphore)
+                    self.evicted.append(self.idle.popitem(last=False)[1].cached)
         if self.users == 0:
             self.unused.set()
 
     async def close(self, *, final: bool) -> None:
-        """Close the semaphore objects and the clients aiosem created.
+        """Close the objects and the clients aiosem created.
 
         `aiosem.aclose` closes every object. At the loop's end, running
         calls are first given time to finish, and only the objects still
@@ -524,9 +684,9 @@ class LoopState:
                 # closed alongside this one may still be giving permits back.
                 with anyio.move_on_after(_CLOSE_TIMEOUT):
                     await self.unused.wait()
-            semaphores = [entry.semaphore for entry in self.busy.values()]
+            objects: list[Limited] = [entry.cached for entry in self.busy.values()]
             if not final:
-                semaphores += [entry.semaphore for entry in self.idle.values()] + self.evicted
+                objects += [entry.cached for entry in self.idle.values()] + self.evicted
             self.busy.clear()
             self.idle.clear()
             self.evicted.clear()
@@ -539,8 +699,8 @@ class LoopState:
                 self.closed = True
             else:
                 self.retired += clients
-            for semaphore in semaphores:
-                await _quietly(semaphore.aclose(), "closing %r", semaphore)
+            for cached in objects:
+                await _quietly(cached.aclose(), "closing %r", cached)
             for client in clients:
                 await _quietly(client.aclose(close_connection_pool=True), "closing the client %r", client)
 
@@ -587,60 +747,35 @@ async def loop_state() -> LoopState:
     return state
 
 
-async def checkout(name: str, given: Options) -> Entry:
-    """Find or create the semaphore object of a call in the running loop, counted as in use.
+async def checkout(name: str, given: Options[L]) -> Entry[L]:
+    """Find or create the object of a call in the running loop, counted as in use.
 
     Every setting not given is read from the configuration now; an object
-    is shared by every call with the same settings in this loop.
+    is shared by every call with the same settings in this loop. A
+    semaphore and a rate limiter of one name are two objects.
 
     Raises:
-        LookupError: No limit for ``name``.
+        LookupError: No limit (or rate) for ``name``.
         RuntimeError: Nothing is configured and this looks like one of
             several worker processes.
         ImportError: ``memory://`` without fakeredis and lupa.
-        TypeError, ValueError: The semaphore refused the settings.
+        TypeError, ValueError: The object refused the settings.
     """
     current = _settings
-    limit = resolve_limit(name, given.limit)
+    specific, create = given.resolve(name, current)
     state = await loop_state()
     if state.evicted:
         evicted, state.evicted = state.evicted, []
         with anyio.CancelScope(shield=True):
-            for semaphore in evicted:
-                await _quietly(semaphore.aclose(), "closing the evicted %r", semaphore)
+            for cached in evicted:
+                await _quietly(cached.aclose(), "closing the evicted %r", cached)
     client = given.client if given.client is not None else current.client
     if client is None:
         client = state.client_for(default_url())
-    kind = current.kind if given.kind is None else given.kind
     prefix = current.prefix if given.prefix is None else given.prefix
-    timeout = current.timeout if given.timeout is None else given.timeout
     blocking_timeout = current.blocking_timeout if given.blocking_timeout is UNSET else given.blocking_timeout
-    key = (
-        id(client),
-        kind,
-        prefix,
-        name,
-        limit,
-        timeout,
-        blocking_timeout,
-        given.waiter_timeout,
-        given.refresh_interval,
-        id(given.on_lost),
-    )
-
-    def create() -> Semaphore:
-        extra: dict[str, Any] = {}
-        if given.waiter_timeout is not None:
-            extra["waiter_timeout"] = given.waiter_timeout
-        if given.refresh_interval is not None:
-            extra["refresh_interval"] = given.refresh_interval
-        if given.on_lost is not None:
-            extra["on_lost"] = given.on_lost
-        return _KINDS[kind](
-            client, name, limit, timeout=timeout, blocking_timeout=blocking_timeout, prefix=prefix, **extra
-        )
-
-    return state.checkout(key, create)
+    key = (id(client), prefix, name, blocking_timeout, specific)
+    return state.checkout(key, lambda: create(client, name, prefix, blocking_timeout))
 
 
 # --- aclose ------------------------------------------------------------------------------

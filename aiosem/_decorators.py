@@ -1,9 +1,17 @@
-"""`limit_concurrency` and `limiter`: a limit by name, with no semaphore object to create or pass around.
+"""Limits by name, with no object to create or pass around.
 
-Both find the semaphore object of a call in the running event loop's cache
-(`aiosem._config`), creating it on first use with the settings of the call
--- its own arguments, then `configure`'s -- and count it in use while the
-call holds or waits, so that it is never evicted from under it.
+`limit_concurrency` and `limiter` limit how many calls run at once (a
+semaphore); `limit_rate` and `rate_limiter` how often they start (a rate
+limiter). All four find the object of a call in the running event loop's
+cache (`aiosem._config`), creating it on first use with the settings of the
+call -- its own arguments, then `configure`'s -- and count it in use while
+the call holds or waits, so that it is never evicted from under it. A rate
+limiter is in use only while a call waits for its slot: it holds nothing
+afterwards.
+
+Both decorators are one `_Decorator`: each call enters a per-call guard --
+the limiter of its name -- around the function; an async generator's guard
+is entered at its first ``__anext__`` and left when it ends.
 
 A coroutine function's call holds its permit through the semaphore's own
 ``async with``: kept alive in the background, its body cancelled if the
@@ -19,11 +27,22 @@ import functools
 import inspect
 import logging
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Final, ParamSpec, TypeVar, overload
 
 import anyio
 
-from ._config import Entry, Kind, LostCallback, Options, checkout, declare_limit, options
+from ._config import (
+    LIMITS,
+    RATES,
+    Entry,
+    Kind,
+    LostCallback,
+    RateOptions,
+    SemaphoreOptions,
+    checkout,
+    rate_options,
+    semaphore_options,
+)
 from ._exceptions import AcquireTimeout, PermitLost
 from ._validation import check_name
 
@@ -37,7 +56,7 @@ if TYPE_CHECKING:
     from ._config import Semaphore
     from ._semaphore import Permit
 
-__all__ = ["limit_concurrency", "limiter"]
+__all__ = ["limit_concurrency", "limit_rate", "limiter", "rate_limiter"]
 
 logger = logging.getLogger("aiosem")
 
@@ -51,7 +70,7 @@ _CLEANUP_TIMEOUT: Final = 5.0
 
 #: The limiters the current task is inside, innermost last, each with the
 #: cached object it entered. Tasks sharing one limiter never see each other's.
-_entered: ContextVar[tuple[tuple[_Limiter, Entry], ...]] = ContextVar("aiosem_limiters", default=())
+_entered: ContextVar[tuple[tuple[_Limiter, Entry[Semaphore]], ...]] = ContextVar("aiosem_limiters", default=())
 
 
 class _Limiter:
@@ -59,7 +78,7 @@ class _Limiter:
 
     __slots__ = ("_name", "_options")
 
-    def __init__(self, name: str, options: Options) -> None:
+    def __init__(self, name: str, options: SemaphoreOptions) -> None:
         self._name = name
         self._options = options
 
@@ -69,7 +88,7 @@ class _Limiter:
     async def __aenter__(self) -> Permit:
         entry = await checkout(self._name, self._options)
         try:
-            permit = await entry.semaphore.__aenter__()
+            permit = await entry.cached.__aenter__()
         except BaseException:
             entry.state.checkin(entry)
             raise
@@ -89,7 +108,7 @@ class _Limiter:
         entry = entered[index][1]
         _entered.set(entered[:index] + entered[index + 1 :])
         try:
-            await entry.semaphore.__aexit__(exc_type, exc, traceback)
+            await entry.cached.__aexit__(exc_type, exc, traceback)
         finally:
             entry.state.checkin(entry)
 
@@ -169,7 +188,7 @@ def limiter(
     """
     return _Limiter(
         check_name(name),
-        options(
+        semaphore_options(
             limit=limit,
             timeout=timeout,
             blocking_timeout=blocking_timeout,
@@ -211,17 +230,25 @@ class _GeneratorHold:
     and nobody may be cancelled for a loss between two of them.
     """
 
-    __slots__ = ("_loss", "_permit", "_semaphore")
+    __slots__ = ("_entry", "_loss", "_name", "_options", "_permit")
 
-    def __init__(self, semaphore: Semaphore, on_lost: LostCallback | None) -> None:
-        self._semaphore = semaphore
-        self._loss = _Loss(on_lost)
+    def __init__(self, name: str, options: SemaphoreOptions) -> None:
+        self._name = name
+        self._options = options
+        self._loss = _Loss(options.on_lost)
+        self._entry: Entry[Semaphore] | None = None
         self._permit: Permit | None = None
 
     async def __aenter__(self) -> _Loss:
-        semaphore = self._semaphore
-        self._permit = await semaphore.acquire(auto_refresh=True, on_lost=self._loss)
+        self._entry = entry = await checkout(self._name, self._options)
+        semaphore = entry.cached
+        try:
+            self._permit = await semaphore.acquire(auto_refresh=True, on_lost=self._loss)
+        except BaseException:
+            entry.state.checkin(entry)
+            raise
         if self._permit is None:
+            entry.state.checkin(entry)
             assert semaphore.blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=semaphore.name, blocking_timeout=semaphore.blocking_timeout)
         return self._loss
@@ -233,9 +260,18 @@ class _GeneratorHold:
         traceback: TracebackType | None,
     ) -> None:
         """Give the permit back, shielded; raise `PermitLost` if it was lost and nothing else is raised."""
-        semaphore, permit, loss = self._semaphore, self._permit, self._loss
+        entry, permit = self._entry, self._permit
+        assert entry is not None  # noqa: S101 -- entered
         assert permit is not None  # noqa: S101 -- entered
-        lost = loss.lost
+        try:
+            await self._give_back(entry.cached, permit, exc_type, exc)
+        finally:
+            entry.state.checkin(entry)
+
+    async def _give_back(
+        self, semaphore: Semaphore, permit: Permit, exc_type: type[BaseException] | None, exc: BaseException | None
+    ) -> None:
+        lost = self._loss.lost
         if lost is None:
             # As in the semaphore's own ``async with``: a permit known lost is
             # not released.
@@ -257,17 +293,58 @@ class _GeneratorHold:
         logger.warning("%s was lost before its generator ended with %s", permit, exc_type.__name__ if exc_type else exc)
 
 
-class _ConcurrencyLimit:
-    """The decorator `limit_concurrency` returns."""
+class _RateLimiter:
+    """The async context manager `rate_limiter` returns; reusable, and shareable between tasks.
+
+    Entering it waits for a slot; leaving it does nothing: a slot, once
+    come, is used.
+    """
 
     __slots__ = ("_name", "_options")
 
-    def __init__(self, name: str | Callable[..., str], options: Options) -> None:
+    def __init__(self, name: str, options: RateOptions) -> None:
         self._name = name
         self._options = options
 
     def __repr__(self) -> str:
-        return f"limit_concurrency({self._name!r}, limit={self._options.limit!r})"
+        return f"rate_limiter({self._name!r}, rate={self._options.rate!r})"
+
+    async def __aenter__(self) -> None:
+        entry = await checkout(self._name, self._options)
+        try:
+            await entry.cached.__aenter__()
+        finally:
+            entry.state.checkin(entry)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        pass
+
+
+class _Decorator:
+    """What `limit_concurrency` and `limit_rate` share: the wrapping, and the name of a call.
+
+    A subclass says what a call enters around the function (`_guard`) and
+    what an async generator enters around its life (`_generator_guard`,
+    whose value, if not ``None``, is checked at each ``yield``).
+    """
+
+    __slots__ = ("_name",)
+    #: The decorator's public name, for messages.
+    _decorator: ClassVar[str]
+
+    def __init__(self, name: str | Callable[..., str]) -> None:
+        self._name = name
+
+    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
+        raise NotImplementedError
+
+    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
+        raise NotImplementedError
 
     @overload
     def __call__(self, function: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]: ...
@@ -281,68 +358,103 @@ class _ConcurrencyLimit:
         if inspect.iscoroutinefunction(function):
             return self._coroutine(function)
         raise TypeError(
-            f"limit_concurrency decorates async def functions and async generator functions; "
+            f"{self._decorator} decorates async def functions and async generator functions; "
             f"{getattr(function, '__qualname__', function)!r} is neither (a synchronous function "
-            "would block its event loop while it waits for a permit)"
+            "would block its event loop while it waits)"
         )
 
     def _key(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The name of the semaphore of one call."""
+        """The name of the semaphore or rate limiter of one call."""
         if isinstance(self._name, str):
             return self._name
         name = self._name(*args, **kwargs)
         if not isinstance(name, str):
             raise TypeError(
-                f"the name function of @limit_concurrency on {function.__qualname__} must return a str, "
+                f"the name function of @{self._decorator} on {function.__qualname__} must return a str, "
                 f"not {type(name).__name__}"
             )
         if not name:
-            raise ValueError(f"the name function of @limit_concurrency on {function.__qualname__} returned ''")
+            raise ValueError(f"the name function of @{self._decorator} on {function.__qualname__} returned ''")
         return name
 
     def _coroutine(self, function: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(function)
         async def limited(*args: P.args, **kwargs: P.kwargs) -> R:
-            entry = await checkout(self._key(function, args, kwargs), self._options)
-            try:
-                async with entry.semaphore:
-                    return await function(*args, **kwargs)
-            finally:
-                entry.state.checkin(entry)
+            async with self._guard(self._key(function, args, kwargs)):
+                return await function(*args, **kwargs)
 
         return limited
 
     def _generator(self, function: Callable[P, AsyncGenerator[Y, S]]) -> Callable[P, AsyncGenerator[Y, S]]:
         @functools.wraps(function)
         async def limited(*args: P.args, **kwargs: P.kwargs) -> AsyncGenerator[Y, S]:
-            entry = await checkout(self._key(function, args, kwargs), self._options)
-            try:
-                async with _GeneratorHold(entry.semaphore, self._options.on_lost) as loss:
-                    generator = function(*args, **kwargs)
-                    try:
-                        # Forward what the consumer sends and throws, as
-                        # `yield from` would; a loss stops it at a yield.
-                        step: Awaitable[Y] = generator.asend(None)  # type: ignore[arg-type]
-                        while True:
-                            try:
-                                value = await step
-                            except StopAsyncIteration:
-                                return
+            async with self._generator_guard(self._key(function, args, kwargs)) as loss:
+                generator = function(*args, **kwargs)
+                try:
+                    # Forward what the consumer sends and throws, as
+                    # `yield from` would; a loss stops it at a yield.
+                    step: Awaitable[Y] = generator.asend(None)  # type: ignore[arg-type]
+                    while True:
+                        try:
+                            value = await step
+                        except StopAsyncIteration:
+                            return
+                        if loss is not None:
                             loss.check()
-                            try:
-                                sent = yield value
-                            except GeneratorExit:
-                                raise
-                            except BaseException as thrown:  # noqa: BLE001 -- athrow() is forwarded, whatever it is
-                                step = generator.athrow(thrown)
-                            else:
-                                step = generator.asend(sent)
-                    finally:
-                        await generator.aclose()
-            finally:
-                entry.state.checkin(entry)
+                        try:
+                            sent = yield value
+                        except GeneratorExit:
+                            raise
+                        except BaseException as thrown:  # noqa: BLE001 -- athrow() is forwarded, whatever it is
+                            step = generator.athrow(thrown)
+                        else:
+                            step = generator.asend(sent)
+                finally:
+                    await generator.aclose()
 
         return limited
+
+
+class _ConcurrencyLimit(_Decorator):
+    """The decorator `limit_concurrency` returns: a call holds a permit while it runs."""
+
+    __slots__ = ("_options",)
+    _decorator = "limit_concurrency"
+
+    def __init__(self, name: str | Callable[..., str], options: SemaphoreOptions) -> None:
+        super().__init__(name)
+        self._options = options
+
+    def __repr__(self) -> str:
+        return f"limit_concurrency({self._name!r}, limit={self._options.limit!r})"
+
+    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
+        # The semaphore's own ``async with``: the permit is kept alive, the
+        # call cancelled if it is lost.
+        return _Limiter(name, self._options)
+
+    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
+        return _GeneratorHold(name, self._options)
+
+
+class _RateLimit(_Decorator):
+    """The decorator `limit_rate` returns: a call starts once its slot has come."""
+
+    __slots__ = ("_options",)
+    _decorator = "limit_rate"
+
+    def __init__(self, name: str | Callable[..., str], options: RateOptions) -> None:
+        super().__init__(name)
+        self._options = options
+
+    def __repr__(self) -> str:
+        return f"limit_rate({self._name!r}, rate={self._options.rate!r})"
+
+    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
+        return _RateLimiter(name, self._options)
+
+    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
+        return _RateLimiter(name, self._options)
 
 
 def limit_concurrency(
@@ -438,7 +550,7 @@ def limit_concurrency(
     """
     if not (isinstance(name, str) or callable(name)):
         raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
-    checked = options(
+    checked = semaphore_options(
         limit=limit,
         timeout=timeout,
         blocking_timeout=blocking_timeout,
@@ -452,5 +564,160 @@ def limit_concurrency(
     if isinstance(name, str):
         check_name(name)
         if checked.limit is not None:
-            declare_limit(name, checked.limit)
+            LIMITS.declare(name, checked.limit)
     return _ConcurrencyLimit(name, checked)
+
+
+def limit_rate(
+    name: str | Callable[..., str],
+    rate: float | None = None,
+    per: float | None = None,
+    *,
+    burst: int | None = None,
+    blocking_timeout: float | None = None,
+    client: redis.asyncio.Redis | None = None,
+    prefix: str | None = None,
+) -> _RateLimit:
+    """Limit how often calls of an async function start, across every process.
+
+    Each call waits for a slot of the rate limiter ``name`` -- an
+    `AsyncRateLimiter`: at most ``rate`` calls per ``per`` seconds, in
+    arrival order -- and then runs; there is nothing to give back when it
+    ends. Every function decorated with the same name, and every
+    `rate_limiter` of it, share one rate.
+
+        @aiosem.limit_rate("api", 5)  # 5 calls a second
+        async def call_api(query: str) -> dict[str, object]: ...
+
+    ``name`` may be a function of the call's arguments returning the name,
+    to limit each key on its own, as with `limit_concurrency`. Stacked
+    with it, put `limit_concurrency` on top, so that a call takes its
+    permit first and starts as soon as its slot comes:
+
+        @aiosem.limit_concurrency(host_of, 3)
+        @aiosem.limit_rate(host_of, 1, per=2)  # robots.txt: Crawl-delay: 2
+        async def fetch(url: str) -> bytes: ...
+
+    The decorated function keeps its signature and type. It may be an
+    ``async def`` function or method, or an async generator function, which
+    takes one slot, at its first ``__anext__``.
+
+    ``rate``, ``per`` and ``burst`` go together: with ``rate``, ``per``
+    defaults to 1 s and ``burst`` to 1; without it, all three come from
+    ``configure(rates=...)``, read at each call. A fixed ``name`` with a
+    ``rate`` declares that rate for a `rate_limiter` of the same name given
+    none. Rate limiting runs a Lua script whatever ``kind`` is configured.
+
+    A call of the decorated function raises what the function raises, and:
+    `LookupError` if no rate is known for its name, `AcquireTimeout` if its
+    slot would come later than ``blocking_timeout`` (it then fails at once,
+    having reserved nothing), `RuntimeError` if nothing is configured in a
+    process that looks like one of several workers (see `configure`), and
+    ``redis.RedisError`` if Redis failed.
+
+    Args:
+        name: The rate limiter's name, or a function of the call's
+            arguments returning it. A semaphore of the same name is
+            another object, with keys in the same Cluster slot.
+        rate: How many calls may start per ``per`` seconds; ``None``: the
+            rate ``configure(rates=...)`` gives for the name.
+        per: The window in seconds (default 1); only with ``rate``.
+        burst: How many calls a limiter at rest lets start at once
+            (default 1: evenly spaced); only with ``rate``.
+        blocking_timeout: The longest wait for a slot before raising
+            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
+            Default: as configured (for ever).
+        client: A ``redis.asyncio.Redis`` to use instead of the configured
+            one; aiosem never closes it.
+        prefix: The first part of the key; default ``"aiosem"``.
+
+    Returns:
+        The decorator.
+
+    Raises:
+        TypeError: An argument has the wrong type; or, from the decorator,
+            the function is not an ``async def`` or async generator
+            function.
+        ValueError: An argument is out of range, or ``per`` or ``burst``
+            was given without ``rate``.
+
+    Cancellation:
+        A call cancelled while it waits for its slot gives the slot back
+        if nobody reserved one after it (see `AsyncRateLimiter.acquire`);
+        once the call runs, there is nothing to give back.
+    """
+    if not (isinstance(name, str) or callable(name)):
+        raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
+    checked = rate_options(
+        rate=rate, per=per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix, client=client
+    )
+    if isinstance(name, str):
+        check_name(name)
+        if checked.rate is not None:
+            RATES.declare(name, checked.rate)
+    return _RateLimit(name, checked)
+
+
+def rate_limiter(
+    name: str,
+    rate: float | None = None,
+    per: float | None = None,
+    *,
+    burst: int | None = None,
+    blocking_timeout: float | None = None,
+    client: redis.asyncio.Redis | None = None,
+    prefix: str | None = None,
+) -> AbstractAsyncContextManager[None]:
+    """Limit how often a block of code starts, by a rate limiter's name.
+
+    Like entering an `AsyncRateLimiter` with ``async with``, without
+    creating or passing one around: every block entered with the same name,
+    and the same Redis and prefix, shares one rate, across every process.
+
+        async with aiosem.rate_limiter("api", 5):  # 5 a second
+            await call_api()
+
+    Entering waits for a slot, once, in arrival order; leaving does
+    nothing. The rate comes from the ``rate`` argument (with ``per``,
+    default 1 s, and ``burst``, default 1), else from
+    ``configure(rates=...)``, else from a `limit_rate` decorator with the
+    same (fixed) name created earlier in this process. Every argument left
+    out is read from `configure` when the block is entered. The returned
+    object can be kept and entered again, by any number of tasks at once.
+
+    Args:
+        name: The rate limiter's name.
+        rate: How many blocks may start per ``per`` seconds; ``None``:
+            configured, or declared by a decorator.
+        per: The window in seconds (default 1); only with ``rate``.
+        burst: How many blocks a limiter at rest lets start at once
+            (default 1); only with ``rate``.
+        blocking_timeout: The longest wait for a slot before raising
+            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
+            Default: as configured (for ever).
+        client: A ``redis.asyncio.Redis`` to use instead of the configured
+            one; aiosem never closes it.
+        prefix: The first part of the key; default ``"aiosem"``.
+
+    Returns:
+        An async context manager whose value is ``None``.
+
+    Raises:
+        TypeError: An argument has the wrong type (raised at once).
+        ValueError: An argument is out of range, or ``per`` or ``burst``
+            was given without ``rate`` (raised at once).
+        LookupError: On entering: no rate for ``name`` anywhere.
+        AcquireTimeout: On entering: the slot would come later than
+            ``blocking_timeout``; nothing was reserved.
+        RuntimeError: On entering: nothing is configured and this process
+            looks like one of several workers (see `configure`).
+        redis.RedisError: Redis failed or could not be reached.
+
+    Cancellation:
+        A wait cancelled gives its slot back if nobody reserved one after
+        it; leaving the block has nothing to give back.
+    """
+    return _RateLimiter(
+        check_name(name),
+        rate_options(rate=rate, per=per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix, client=client),
+    )

@@ -12,7 +12,7 @@ from ._exceptions import AcquireTimeout
 from ._keys import SemaphoreKeys, check_prefix
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
-from ._validation import check_name, check_wait
+from ._validation import check_burst, check_name, check_positive, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,24 +27,6 @@ logger = logging.getLogger("aiosem")
 #: How long giving back the slot of a cancelled wait may take.
 _CLEANUP_TIMEOUT: Final = 5.0
 _MICROSECONDS: Final = 1_000_000
-#: The most permits one window may hold: Redis and Lua count in doubles.
-_MOST_BURST: Final = 1_000_000
-
-
-def _check_positive(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument} must be a number, not {type(value).__name__}")
-    if math.isnan(value) or math.isinf(value) or value <= 0:
-        raise ValueError(f"{argument} must be a positive, finite number, got {value}")
-    return float(value)
-
-
-def _check_burst(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"burst must be an int, not {type(value).__name__}")
-    if not 1 <= value <= _MOST_BURST:
-        raise ValueError(f"burst must be between 1 and {_MOST_BURST:,}, got {value}")
-    return value
 
 
 class AsyncRateLimiter:
@@ -100,9 +82,9 @@ class AsyncRateLimiter:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._name = check_name(name)
-        self._rate = _check_positive(rate, "rate")
-        self._per = _check_positive(per, "per")
-        self._burst = _check_burst(burst)
+        self._rate = check_positive(rate, "rate")
+        self._per = check_positive(per, "per")
+        self._burst = check_burst(burst)
         self._blocking_timeout = check_wait(blocking_timeout)
         self._key = SemaphoreKeys.for_name(check_prefix(prefix), name).rate
         if clock is not None and not callable(clock):

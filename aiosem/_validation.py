@@ -66,3 +66,23 @@ def check_now(value: Any) -> float | None:
     if math.isinf(seconds):
         raise ValueError(f"now must be finite, got {value}")
     return seconds
+
+
+#: The most slots a rate limiter lets through at once: its script counts in doubles.
+MOST_BURST: Final = 1_000_000
+
+
+def check_positive(value: object, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a number, not {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(f"{argument} must be a positive, finite number, got {value}")
+    return float(value)
+
+
+def check_burst(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"burst must be an int, not {type(value).__name__}")
+    if not 1 <= value <= MOST_BURST:
+        raise ValueError(f"burst must be between 1 and {MOST_BURST:,}, got {value}")
+    return value

@@ -1,22 +1,29 @@
-"""Crawl many pages, at most two at a time per host, however many crawlers run.
+"""Crawl many pages, politely: two at a time per host, and one start every 0.1 s per host.
 
-The limit is per host: ``@limit_concurrency`` is given a function of the
-call's arguments that names the semaphore, so each host gets one of its own.
+The limits are per host: ``@limit_concurrency`` and ``@limit_rate`` are
+given a function of the call's arguments that names the semaphore and the
+rate limiter, so each host gets its own -- as a robots.txt with
+``Crawl-delay`` asks, here scaled down to 0.1 s so that the example runs
+in a few seconds. ``@limit_concurrency`` goes on top: a fetch takes its
+permit first, then waits for its slot and starts as soon as it comes.
+
 Fetches are simulated (no network); each prints the host and how many
 fetches of that host were running at that moment, in this process::
 
     python examples/crawler.py                            # memory:// (pip install 'aiosem[memory]')
-    python examples/crawler.py redis://localhost:6379/0   # start several: the limit holds across them
+    python examples/crawler.py redis://localhost:6379/0   # start several: the limits hold across them
 
-The exit status is 1 if a host ever had more than two fetches at once.
+The exit status is 1 if a host ever had more than two fetches at once, or
+two starts closer than the crawl delay (less a little for timer jitter).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from urllib.parse import urlsplit
 
 import anyio
@@ -24,27 +31,38 @@ import anyio
 import aiosem
 
 PER_HOST = 2
+#: Seconds between two fetches of one host (robots.txt ``Crawl-delay``).
+CRAWL_DELAY = 0.1
 HOSTS = [f"site{number}.example" for number in range(5)]
 running: Counter[str] = Counter()
 peaks: Counter[str] = Counter()
+starts: defaultdict[str, list[float]] = defaultdict(list)
 
 
 def host_of(url: str) -> str:
-    """The semaphore of a URL: one per host."""
+    """The semaphore and the rate limiter of a URL: one of each per host."""
     return f"crawler:host:{urlsplit(url).hostname}"
 
 
 @aiosem.limit_concurrency(host_of, PER_HOST, timeout=30)
+@aiosem.limit_rate(host_of, 1, per=CRAWL_DELAY)
 async def fetch(url: str) -> int:
     host = urlsplit(url).hostname or ""
+    starts[host].append(anyio.current_time())
     running[host] += 1
     peaks[host] = max(peaks[host], running[host])
     try:
         print(f"{host}: fetching {url} ({running[host]} running)")
-        await anyio.sleep(random.uniform(0.01, 0.05))  # the network, simulated
+        await anyio.sleep(random.uniform(0.01, 0.3))  # the network, simulated
         return len(url)
     finally:
         running[host] -= 1
+
+
+def closest_starts() -> float:
+    """The shortest time between two starts of one host, in this process."""
+    gaps = [b - a for times in starts.values() for a, b in itertools.pairwise(sorted(times))]
+    return min(gaps, default=CRAWL_DELAY)
 
 
 async def crawl(url: str) -> int:
@@ -53,9 +71,10 @@ async def crawl(url: str) -> int:
         pages = [f"https://{random.choice(HOSTS)}/page/{number}" for number in range(40)]
         sizes = await asyncio.gather(*(fetch(page) for page in pages))
         print(f"fetched {len(sizes)} pages; most at once per host: {dict(sorted(peaks.items()))}")
+        print(f"closest starts of one host: {closest_starts():.3f} s (crawl delay {CRAWL_DELAY} s)")
     finally:
         await aiosem.aclose()
-    return 1 if max(peaks.values()) > PER_HOST else 0
+    return 1 if max(peaks.values()) > PER_HOST or closest_starts() < CRAWL_DELAY * 0.8 else 0
 
 
 if __name__ == "__main__":

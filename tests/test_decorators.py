@@ -153,7 +153,7 @@ async def test_no_more_than_limit_calls_run_at_once() -> None:
             await gate.arrived.wait()
             # The extra call is queued in Redis, not merely not yet started.
             await wait_until(lambda: state().busy and next(iter(state().busy.values())).users == limit + 1)
-            semaphore = next(iter(state().busy.values())).semaphore
+            semaphore = next(iter(state().busy.values())).cached
             await wait_until(lambda: semaphore.statistics().waiting == 1)
             assert gate.inside == limit
             gate.open.set()
@@ -210,7 +210,7 @@ async def test_an_infinite_blocking_timeout_waits_whatever_is_configured() -> No
             tasks.start_soon(patient)
             await gate.arrived.wait()
             tasks.start_soon(patient)
-            await wait_until(lambda: next(iter(state().busy.values())).semaphore.statistics().waiting == 1)
+            await wait_until(lambda: next(iter(state().busy.values())).cached.statistics().waiting == 1)
             gate.open.set()
     assert gate.entered == 2
 
@@ -261,7 +261,7 @@ async def test_instances_share_one_limit_per_name() -> None:
             tasks.start_soon(first.crawl, 1)
             await gate.arrived.wait()
             tasks.start_soon(second.crawl, 2)
-            await wait_until(lambda: next(iter(state().busy.values())).semaphore.statistics().waiting == 1)
+            await wait_until(lambda: next(iter(state().busy.values())).cached.statistics().waiting == 1)
             assert gate.inside == 1
             gate.open.set()
     assert gate.peak == 1
@@ -393,7 +393,7 @@ async def test_a_lost_permit_stops_a_generator_at_its_next_yield(backend: redis.
 
     generator = fragile()
     assert await anext(generator) == 0
-    semaphore = next(iter(state().busy.values())).semaphore
+    semaphore = next(iter(state().busy.values())).cached
     await backend.delete(semaphore.key, f"{semaphore.key}:owner")
     # The refresher finds the permit gone within a third of the lease.
     await wait_until(lambda: not semaphore._holds)
@@ -419,7 +419,7 @@ async def test_with_on_lost_a_generator_runs_on_and_raises_permit_lost_at_its_en
 
     generator = fragile()
     assert await anext(generator) == 0
-    semaphore = next(iter(state().busy.values())).semaphore
+    semaphore = next(iter(state().busy.values())).cached
     await backend.delete(semaphore.key, f"{semaphore.key}:owner")
     with anyio.fail_after(10):
         await lost.wait()
@@ -510,7 +510,7 @@ async def test_the_cache_keeps_a_bounded_number_of_idle_objects(monkeypatch: pyt
 
     for key in "abcdef":
         await touch(key)
-    assert [entry.semaphore.name for entry in state().idle.values()] == ["e", "f"]
+    assert [entry.cached.name for entry in state().idle.values()] == ["e", "f"]
     assert not state().busy
 
 
@@ -529,12 +529,12 @@ async def test_the_cache_never_evicts_an_object_in_use(monkeypatch: pytest.Monke
             tasks.start_soon(use, "busy")
             await gate.arrived.wait()
             tasks.start_soon(use, "busy")  # waits: the object is used twice
-            entry = next(entry for entry in state().busy.values() if entry.semaphore.name == "busy")
-            await wait_until(lambda: entry.semaphore.statistics().waiting == 1)
+            entry = next(entry for entry in state().busy.values() if entry.cached.name == "busy")
+            await wait_until(lambda: entry.cached.statistics().waiting == 1)
             for key in "abcd":
                 await use(key)
             assert len(state().idle) == 1
-            assert [entry.semaphore.name for entry in state().busy.values()] == ["busy"]
+            assert [entry.cached.name for entry in state().busy.values()] == ["busy"]
             assert state().busy[entry.key] is entry
             assert entry.users == 2
             gate.open.set()
@@ -566,7 +566,7 @@ async def test_calls_with_other_settings_get_another_object() -> None:
 
     await fair()
     await locked()
-    kinds = sorted(type(entry.semaphore).__name__ for entry in state().idle.values())
+    kinds = sorted(type(entry.cached).__name__ for entry in state().idle.values())
     assert kinds == ["AsyncFairSemaphore", "AsyncLockedSemaphore"]
 
 
@@ -579,4 +579,4 @@ async def test_the_configured_kind_chooses_the_semaphore_class() -> None:
 
     await work()
     (entry,) = state().idle.values()
-    assert isinstance(entry.semaphore, AsyncLockedSemaphore)
+    assert isinstance(entry.cached, AsyncLockedSemaphore)

@@ -54,7 +54,7 @@ async def test_a_limiter_takes_the_limit_it_is_given() -> None:
     async with limiter("api", 2):
         pass
     (entry,) = state().idle.values()
-    assert entry.semaphore.limit == 2
+    assert entry.cached.limit == 2
 
 
 @pytest.mark.usefixtures("backend")
@@ -63,7 +63,7 @@ async def test_a_limiter_takes_the_configured_limit() -> None:
     async with limiter("api"):
         pass
     (entry,) = state().idle.values()
-    assert entry.semaphore.limit == 4
+    assert entry.cached.limit == 4
 
 
 @pytest.mark.usefixtures("backend")
@@ -74,7 +74,7 @@ async def test_a_limiter_takes_the_limit_a_decorator_declared() -> None:
     async with limiter("api"):
         pass
     (entry,) = state().idle.values()
-    assert entry.semaphore.limit == 5
+    assert entry.cached.limit == 5
 
 
 @pytest.mark.usefixtures("backend")
@@ -87,7 +87,7 @@ async def test_the_given_limit_wins_over_the_configured_one_which_wins_over_a_de
         pass
     async with limiter("api", 3):
         pass
-    assert sorted(entry.semaphore.limit for entry in state().idle.values()) == [3, 4]
+    assert sorted(entry.cached.limit for entry in state().idle.values()) == [3, 4]
 
 
 @pytest.mark.usefixtures("backend")
@@ -160,7 +160,7 @@ async def test_a_limiter_is_enforced_across_the_tasks_that_share_it() -> None:
                 tasks.start_soon(call)
             await gate.arrived.wait()
             (entry,) = state().busy.values()
-            await wait_until(lambda: entry.semaphore.statistics().waiting == 1)
+            await wait_until(lambda: entry.cached.statistics().waiting == 1)
             assert gate.inside == limit
             gate.open.set()
     assert gate.peak == limit
