@@ -13,8 +13,10 @@ fetches of that host were running at that moment, in this process::
     python examples/crawler.py                            # memory:// (pip install 'aiosem[memory]')
     python examples/crawler.py redis://localhost:6379/0   # start several: the limits hold across them
 
-The exit status is 1 if a host ever had more than two fetches at once, or
-two starts closer than the crawl delay (less a little for timer jitter).
+The exit status is 1 if a host ever had more than two fetches at once. The
+closest two starts of one host are printed too: about the crawl delay, or a
+little less when the machine is busy, since a start is noted when its wait
+ends.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ async def crawl(url: str) -> int:
         print(f"closest starts of one host: {closest_starts():.3f} s (crawl delay {CRAWL_DELAY} s)")
     finally:
         await aiosem.aclose()
-    return 1 if max(peaks.values()) > PER_HOST or closest_starts() < CRAWL_DELAY * 0.8 else 0
+    # Only the concurrency limit decides the exit status: starts are noted
+    # after each wait ends, so on a busy machine two can be noted closer
+    # together than their slots were.
+    return 1 if max(peaks.values()) > PER_HOST else 0
 
 
 if __name__ == "__main__":

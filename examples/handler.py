@@ -26,7 +26,7 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     request = (await reader.readline()).decode().strip()
     try:
         async with backend as permit:
-            await anyio.sleep(0.2)  # the backend's work, simulated
+            await anyio.sleep(1.0)  # the backend's work, simulated: far longer than the 50 ms anyone waits
             answer = f"200 {request} done under fencing token {permit.fencing_token}"
     except aiosem.AcquireTimeout:
         answer = f"503 {request}: busy, try again later"

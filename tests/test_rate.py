@@ -136,7 +136,7 @@ async def test_a_cancelled_wait_keeps_the_slots_reserved_after_it(
 async def test_the_key_expires_when_the_limiter_comes_to_rest(client: redis.asyncio.Redis) -> None:
     limiter = AsyncRateLimiter(client, "idle", 10)
     assert await limiter.try_acquire()
-    assert 0 < await client.pttl(limiter.key) <= 100
+    assert await client.pttl(limiter.key) <= 100  # at most one interval; gone already after a pause
     with anyio.fail_after(BOUND):
         while await client.exists(limiter.key):  # noqa: ASYNC110 -- the key's TTL runs on the server
             await anyio.sleep(0.02)
