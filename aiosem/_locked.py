@@ -215,17 +215,26 @@ class AsyncLockedSemaphore(_Semaphore):
                 if not locked:
                     for member in members:
                         self._tickets.pop(member, None)
-        except BaseException:
+        except BaseException as error:
             if locked:
-                # Freed in the background: a step failing because Redis is out
-                # of reach must fail now, not after the unlock gives up too.
-                unlocking = asyncio.get_running_loop().create_task(self._unlock(owner))
-                _UNLOCKING.add(unlocking)
-                unlocking.add_done_callback(_UNLOCKING.discard)
+                await self._unlock_after(owner, error)
             raise
         if locked:
             await self._unlock(owner)
         return None if committed is None else reply
+
+    async def _unlock_after(self, owner: str, error: BaseException) -> None:
+        """Free the lock of a step that ``error`` interrupted."""
+        if isinstance(error, Exception):
+            # In the background: a step failing because Redis is out of reach
+            # must fail now, not after the unlock gives up too.
+            unlocking = asyncio.get_running_loop().create_task(self._unlock(owner))
+            _UNLOCKING.add(unlocking)
+            unlocking.add_done_callback(_UNLOCKING.discard)
+        else:
+            # Cancelled: freed (shielded, bounded) before the cancellation
+            # propagates, so that a cancelled caller leaves nothing behind.
+            await self._unlock(owner)
 
     async def _unlock(self, owner: str) -> None:
         # After an aborted EXEC, or an error or cancellation mid-step, the lock
