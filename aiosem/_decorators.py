@@ -27,9 +27,7 @@ import functools
 import inspect
 import logging
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, ClassVar, Final, ParamSpec, TypeVar, overload
-
-import anyio
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
 from ._config import (
     LIMITS,
@@ -65,8 +63,6 @@ R = TypeVar("R")
 Y = TypeVar("Y")
 S = TypeVar("S")
 
-#: How long giving back a generator's permit may take.
-_CLEANUP_TIMEOUT: Final = 5.0
 
 #: The limiters the current task is inside, innermost last, each with the
 #: cached object it entered. Tasks sharing one limiter never see each other's.
@@ -271,21 +267,7 @@ class _GeneratorHold:
     async def _give_back(
         self, semaphore: Semaphore, permit: Permit, exc_type: type[BaseException] | None, exc: BaseException | None
     ) -> None:
-        lost = self._loss.lost
-        if lost is None:
-            # As in the semaphore's own ``async with``: a permit known lost is
-            # not released.
-            with anyio.CancelScope(shield=True):
-                try:
-                    with anyio.fail_after(_CLEANUP_TIMEOUT):
-                        released = await semaphore.release(permit)
-                except Exception:
-                    if exc is None:
-                        raise
-                    logger.warning("releasing %s failed after its generator ended", permit, exc_info=True)
-                    released = True  # nothing more is known than before
-            if not released:
-                lost = PermitLost(name=semaphore.name, identifier=permit.identifier)
+        lost = await semaphore._end_hold(permit, self._loss.lost, exc)  # noqa: SLF001 -- the semaphore's own ending
         if lost is None or lost is exc:
             return
         if exc is None:

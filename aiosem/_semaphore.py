@@ -902,6 +902,28 @@ class _Semaphore(ABC):
             local_waiters=len(self._waiters),
         )
 
+    async def _end_hold(self, permit: Permit, lost: PermitLost | None, exc: BaseException | None) -> PermitLost | None:
+        """Release a held permit as its holder ends, shielded and bounded; return its loss, if any.
+
+        A permit known lost is not released: it is gone, or its lease may
+        have run out while Redis was out of reach, and a release would only
+        keep the holder waiting on that. A release that fails after the
+        holder raised ``exc`` is logged; after a holder that completed, it
+        is raised.
+        """
+        if lost is not None:
+            return lost
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(_CLEANUP_TIMEOUT):
+                    released = await self.release(permit)
+            except Exception:
+                if exc is None:
+                    raise
+                logger.warning("releasing %s failed after its holder raised", permit, exc_info=True)
+                return None  # nothing more is known than before
+        return None if released else PermitLost(name=self._name, identifier=permit.identifier)
+
     async def __aenter__(self) -> Permit:
         """Acquire a permit for the body, waiting up to ``blocking_timeout``, and keep it alive.
 
@@ -959,22 +981,7 @@ class _Semaphore(ABC):
         permit = hold.permit
         # The scope swallows the cancellation it delivered itself, no other.
         ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
-        lost = hold.lost
-        if lost is None:
-            # A permit known lost is not released: it is gone, or its lease may
-            # have run out while Redis was out of reach, and a release would
-            # only keep the holder waiting on that.
-            with anyio.CancelScope(shield=True):
-                try:
-                    with anyio.fail_after(_CLEANUP_TIMEOUT):
-                        released = await self.release(permit)
-                except Exception:
-                    if exc is None:
-                        raise
-                    logger.warning("releasing %s failed after its body raised", permit, exc_info=True)
-                    released = True  # nothing more is known than before
-            if not released:
-                lost = PermitLost(name=self._name, identifier=permit.identifier)
+        lost = await self._end_hold(permit, hold.lost, exc)
         if lost is None:
             return
         if ours:
