@@ -17,6 +17,7 @@ from ._decorators import limiter as limiter
 from ._decorators import rate_limiter as rate_limiter
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import LimitMismatch as LimitMismatch
+from ._exceptions import NotReplicated as NotReplicated
 from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
@@ -31,6 +32,7 @@ __all__ = [
     "AsyncLockedSemaphore",
     "AsyncRateLimiter",
     "LimitMismatch",
+    "NotReplicated",
     "Permit",
     "PermitLost",
     "SemaphoreError",

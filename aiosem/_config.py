@@ -47,10 +47,21 @@ from ._fair import AsyncFairSemaphore
 from ._keys import check_prefix
 from ._locked import AsyncLockedSemaphore
 from ._rate import AsyncRateLimiter
-from ._validation import check_burst, check_limit, check_name, check_positive, check_timeout, check_wait
+from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
+from ._validation import (
+    check_burst,
+    check_limit,
+    check_name,
+    check_positive,
+    check_replicas,
+    check_timeout,
+    check_wait,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable
+
+    from ._connection import Client
 
 __all__ = ["aclose", "configure"]
 
@@ -68,21 +79,12 @@ LostCallback: TypeAlias = Callable[[PermitLost], object]
 ENV_URL: Final = "AIOSEM_REDIS_URL"
 #: The URL used when nothing is configured: an in-process store.
 MEMORY_URL: Final = "memory://"
-_SCHEMES: Final = ("redis", "rediss", "unix", "memory")
+_SCHEMES: Final = (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES, "memory")
 _KINDS: Final[Mapping[str, type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]]] = {
     "fair": AsyncFairSemaphore,
     "locked": AsyncLockedSemaphore,
 }
 
-#: Socket timeouts of the clients aiosem creates from a URL, in seconds: no
-#: read, write or connect can hang on a stalled connection for longer.
-SOCKET_TIMEOUT: Final = 5.0
-#: The size of the connection pool of a client created from a URL. The pool
-#: blocks rather than fails when every connection is busy, for at most
-#: `POOL_TIMEOUT` seconds. A semaphore object coalesces its calls, so it uses
-#: a connection or two at a time whatever the number of its tasks.
-MAX_CONNECTIONS: Final = 64
-POOL_TIMEOUT: Final = 5.0
 #: How many idle objects (semaphores and rate limiters) each event loop keeps, least recently used
 #: first out. Objects in use (holding or waiting) are never evicted and not
 #: counted. (Not `Final`: the tests make it small.)
@@ -112,11 +114,12 @@ class Settings:
     """What `configure` set; replaced whole by each call, never changed in place."""
 
     url: str | None = None
-    client: redis.asyncio.Redis | None = None
+    client: Client | None = None
     prefix: str = "aiosem"
     timeout: float = 10.0
     blocking_timeout: float | None = None
     kind: Kind = "fair"
+    replicas: int = 0
     limits: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     rates: Mapping[str, Rate] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -131,7 +134,7 @@ class Options(Generic[L]):
 
     blocking_timeout: float | _Unset | None = UNSET
     prefix: str | None = None
-    client: redis.asyncio.Redis | None = None
+    client: Client | None = None
 
     def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[L]]:
         """What tells this kind's objects of ``name`` apart, and how to create one.
@@ -143,7 +146,7 @@ class Options(Generic[L]):
 
 
 #: Creates a cached object from the client, the name, the prefix and the blocking timeout.
-Factory: TypeAlias = Callable[[redis.asyncio.Redis, str, str, float | None], L]
+Factory: TypeAlias = Callable[["Client", str, str, float | None], L]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +171,15 @@ class SemaphoreOptions(Options[Semaphore]):
             extra["refresh_interval"] = self.refresh_interval
         if self.on_lost is not None:
             extra["on_lost"] = self.on_lost
+        if current.replicas:
+            extra["replicas"] = current.replicas
 
-        def create(client: redis.asyncio.Redis, name: str, prefix: str, blocking_timeout: float | None) -> Semaphore:
+        def create(client: Client, name: str, prefix: str, blocking_timeout: float | None) -> Semaphore:
             return _KINDS[kind](
                 client, name, limit, timeout=timeout, blocking_timeout=blocking_timeout, prefix=prefix, **extra
             )
 
-        key = (kind, limit, timeout, self.waiter_timeout, self.refresh_interval, id(self.on_lost))
+        key = (kind, limit, timeout, self.waiter_timeout, self.refresh_interval, id(self.on_lost), current.replicas)
         return key, create
 
 
@@ -187,9 +192,7 @@ class RateOptions(Options[AsyncRateLimiter]):
     def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[AsyncRateLimiter]]:
         rate, per, burst = RATES.resolve(name, self.rate)
 
-        def create(
-            client: redis.asyncio.Redis, name: str, prefix: str, blocking_timeout: float | None
-        ) -> AsyncRateLimiter:
+        def create(client: Client, name: str, prefix: str, blocking_timeout: float | None) -> AsyncRateLimiter:
             return AsyncRateLimiter(
                 client, name, rate, per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix
             )
@@ -222,9 +225,13 @@ def check_url(value: object, argument: str = "url") -> str:
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
         shown = f"a {scheme}:// URL" if scheme else "no URL scheme"
-        raise ValueError(f"{argument} must be a redis://, rediss://, unix:// or memory:// URL, got {shown}")
+        raise ValueError(
+            f"{argument} must be a redis://, rediss://, unix://, redis+cluster://, redis+sentinel:// "
+            f"or memory:// URL, got {shown}"
+        )
     if scheme == "memory" and (parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment):
         raise ValueError(f"{argument}: a memory:// URL takes no host, path or options")
+    check_url_form(value, argument)
     return value
 
 
@@ -236,11 +243,11 @@ def check_kind(value: object) -> Kind:
     raise ValueError(f"kind must be 'fair' or 'locked', got {value!r}")
 
 
-def check_client(value: object) -> redis.asyncio.Redis:
-    if not isinstance(value, redis.asyncio.Redis):
+def check_client(value: object) -> Client:
+    if not isinstance(value, (redis.asyncio.Redis, redis.asyncio.RedisCluster)):
         raise TypeError(
-            f"client must be a redis.asyncio.Redis (aiosem is asyncio-only), not {type(value).__module__}."
-            f"{type(value).__qualname__}"
+            f"client must be a redis.asyncio.Redis or RedisCluster (aiosem is asyncio-only), not "
+            f"{type(value).__module__}.{type(value).__qualname__}"
         )
     return value
 
@@ -286,7 +293,7 @@ def check_rates(value: object) -> dict[str, Rate]:
     return checked
 
 
-def _common(blocking_timeout: float | None, prefix: str | None, client: redis.asyncio.Redis | None) -> dict[str, Any]:
+def _common(blocking_timeout: float | None, prefix: str | None, client: Client | None) -> dict[str, Any]:
     """The checked arguments every decorator and limiter takes."""
     return {
         # None is "configured"; infinity is "for ever", whatever is configured.
@@ -303,7 +310,7 @@ def semaphore_options(
     blocking_timeout: float | None,
     prefix: str | None,
     kind: Kind | None,
-    client: redis.asyncio.Redis | None,
+    client: Client | None,
     waiter_timeout: float | None,
     refresh_interval: float | None,
     on_lost: LostCallback | None,
@@ -329,7 +336,7 @@ def rate_options(
     burst: int | None,
     blocking_timeout: float | None,
     prefix: str | None,
-    client: redis.asyncio.Redis | None,
+    client: Client | None,
 ) -> RateOptions:
     """Check what a rate limiter's decorator or limiter was given; no ``rate``: the configured one, whole."""
     if rate is None:
@@ -349,13 +356,14 @@ def rate_options(
 def configure(
     *,
     url: str | None = None,
-    client: redis.asyncio.Redis | None = None,
+    client: Client | None = None,
     prefix: str | None = None,
     timeout: float | None = None,
     blocking_timeout: float | None = None,
     limits: Mapping[str, int] | None = None,
     kind: Kind | None = None,
     rates: Mapping[str, float | tuple[float, float] | tuple[float, float, int]] | None = None,
+    replicas: int | None = None,
 ) -> None:
     """Set the defaults of the decorators and limiters for the whole process.
 
@@ -385,10 +393,15 @@ def configure(
 
     Args:
         url: ``redis://``, ``rediss://`` (TLS), ``unix://`` (a Unix socket),
-            or ``memory://`` -- an embedded store (fakeredis), shared by the
+            ``redis+cluster://host:port,host:port`` (a Redis Cluster, from
+            any of its nodes), ``redis+sentinel://host:port,host:port/service``
+            (the master Sentinel names; ``rediss+...`` for TLS), or
+            ``memory://`` -- an embedded store (fakeredis), shared by the
             event loops of this process and by nothing else; needs
-            ``pip install 'aiosem[memory]'``. Replaces a ``client``.
-        client: A ``redis.asyncio.Redis`` to use instead of a URL.
+            ``pip install 'aiosem[memory]'``. Replaces a ``client``. The
+            deployment page of the docs details each form.
+        client: A ``redis.asyncio.Redis`` or ``RedisCluster`` to use instead
+            of a URL.
         prefix: The first part of every key (default ``"aiosem"``).
         timeout: The lease in seconds (default 10): every user of a
             semaphore must use the same one.
@@ -403,6 +416,9 @@ def configure(
             by `limit_rate` and `rate_limiter` when not given a ``rate``.
             Each is a number of calls per second, a ``(rate, per)`` tuple
             (``rate`` calls per ``per`` seconds), or ``(rate, per, burst)``.
+        replicas: How many replicas must have each acquire and refresh of
+            the decorators' and limiters' semaphores before it counts
+            (default 0; see `AsyncFairSemaphore`'s ``replicas``).
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -428,6 +444,8 @@ def configure(
         changes["blocking_timeout"] = check_wait(blocking_timeout)
     if kind is not None:
         changes["kind"] = check_kind(kind)
+    if replicas is not None:
+        changes["replicas"] = check_replicas(replicas)
     checked_limits = None if limits is None else check_limits(limits)
     checked_rates = None if rates is None else check_rates(rates)
     with _lock:
@@ -553,18 +571,11 @@ def _memory_client() -> redis.asyncio.Redis:
     return client
 
 
-def connect(url: str) -> redis.asyncio.Redis:
+def client_from_url(url: str) -> Client:
     """A new client for ``url``; it connects on its first command."""
     if urlsplit(url).scheme.lower() == "memory":
         return _memory_client()
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
-        url,
-        max_connections=MAX_CONNECTIONS,
-        timeout=POOL_TIMEOUT,
-        socket_timeout=SOCKET_TIMEOUT,
-        socket_connect_timeout=SOCKET_TIMEOUT,
-    )
-    return redis.asyncio.Redis(connection_pool=pool)
+    return connect(url)
 
 
 # --- per event loop ----------------------------------------------------------------
@@ -612,10 +623,10 @@ class LoopState:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.clients: dict[str, redis.asyncio.Redis] = {}
+        self.clients: dict[str, Client] = {}
         #: Clients closed by `aiosem.aclose` while calls still ran: a late
         #: release may have reopened a connection, closed again at the end.
-        self.retired: list[redis.asyncio.Redis] = []
+        self.retired: list[Client] = []
         self.busy: dict[Hashable, Entry[Any]] = {}
         self.idle: OrderedDict[Hashable, Entry[Any]] = OrderedDict()
         #: Objects evicted, to close (unsubscribe) before the next checkout.
@@ -636,10 +647,10 @@ class LoopState:
             f"closed={self.closed})"
         )
 
-    def client_for(self, url: str) -> redis.asyncio.Redis:
+    def client_for(self, url: str) -> Client:
         client = self.clients.get(url)
         if client is None:
-            client = self.clients[url] = connect(url)
+            client = self.clients[url] = client_from_url(url)
         return client
 
     def checkout(self, key: Hashable, create: Callable[[], L]) -> Entry[L]:
@@ -702,7 +713,7 @@ class LoopState:
             for cached in objects:
                 await _quietly(cached.aclose(), "closing %r", cached)
             for client in clients:
-                await _quietly(client.aclose(close_connection_pool=True), "closing the client %r", client)
+                await _quietly(close(client), "closing the client %r", client)
 
 
 async def _quietly(step: Awaitable[None], message: str, subject: object) -> None:

@@ -1,26 +1,37 @@
-"""One connection held for several round trips, for WATCH-based steps.
+"""Reaching the Redis node that holds a semaphore, on one server or a cluster.
 
-``WATCH`` belongs to a connection, and redis-py's pipelines run the commands
-after it one round trip each. Taking a connection from the pool and writing
-whole batches to it lets a Lua-free step read under WATCH in one round trip
-and write in another.
+``WATCH`` belongs to a connection, and so does ``WAIT``; redis-py's
+pipelines run the commands after a ``WATCH`` one round trip each. Taking a
+connection from the pool -- on a cluster, from the pool of the node serving
+the semaphore's slot -- and writing whole batches to it lets a Lua-free step
+read under WATCH in one round trip and write in another, and a script be
+followed by a ``WAIT`` for its replicas on the connection that wrote.
+
+On a cluster, a slot that moves answers ``MOVED``, a slot that is moving
+``ASK`` or ``TRYAGAIN``: `reroute` learns the new layout, or waits for the
+move to settle, before the step is tried again.
 """
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, Union
 
 import anyio
-from redis.exceptions import ResponseError
+import redis
+from redis.asyncio.client import PubSub, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
-    from redis.asyncio import Redis
+    from redis.asyncio.cluster import ClusterNode
     from redis.asyncio.connection import AbstractConnection
 
 Command = tuple[str | bytes | int | float, ...]
+#: What aiosem runs on: a client of one server (or of Sentinel's master), or of a cluster.
+Client: TypeAlias = Union[Redis, RedisCluster]  # noqa: UP007 -- evaluated at run time on Python 3.10 too
 
 try:
     # redis.asyncio packs commands in Python: several times slower than this,
@@ -31,6 +42,52 @@ except ImportError:  # pragma: no cover -- hiredis comes with aiosem's dependenc
     _hiredis_pack = None  # type: ignore[assignment]
 
 _UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
+
+#: What a cluster answers about a slot that moved or is moving -- or what
+#: redis-py raises once it gave up following such answers (``ClusterError``:
+#: "TTL exhausted", as a slot half-moved keeps answering TRYAGAIN): the step
+#: was not carried out, and is tried again on the slot's owner.
+REDIRECTS: Final = (AskError, TryAgainError, ClusterError)
+#: How long a step waits for a slot's move to settle, at most, between tries.
+_SETTLE_PAUSE: Final = 0.05
+
+
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` is a ``redis.asyncio.RedisCluster``."""
+    return isinstance(client, RedisCluster)
+
+
+def check_cluster_support(client: object) -> None:
+    """Refuse a cluster client on a redis-py without sharded pub/sub on asyncio (before 8.0).
+
+    Raises:
+        RuntimeError: ``client`` is a cluster client and redis-py is too old.
+    """
+    if is_cluster(client) and not hasattr(PubSub, "ssubscribe"):
+        raise RuntimeError(
+            f"a semaphore on Redis Cluster needs redis-py 8.0 or later (sharded pub/sub on redis.asyncio); "
+            f"this is redis-py {redis.__version__}"
+        )
+
+
+def publish_command(client: object) -> str:
+    """How a step wakes another process: sharded pub/sub stays inside the semaphore's slot on a cluster."""
+    return "SPUBLISH" if is_cluster(client) else "PUBLISH"
+
+
+async def reroute(client: Client, error: Exception, attempt: int) -> None:
+    """Prepare to try again a step that ``error``, a `REDIRECTS` answer, turned away.
+
+    ``MOVED``: the slot has a new owner, and the client learns the layout
+    anew. ``ASK``/``TRYAGAIN``/``CLUSTERDOWN``: the slot is on its way (a
+    script whose keys are not all on one side of the move cannot run until
+    it ends), and a pause lets the move settle (growing with ``attempt``,
+    up to 50 ms).
+    """
+    if isinstance(error, MovedError) and isinstance(client, RedisCluster):
+        await client.nodes_manager.initialize()
+        return
+    await anyio.sleep(min(0.005 * (attempt + 1), _SETTLE_PAUSE))
 
 
 class PinnedConnection:
@@ -82,15 +139,32 @@ class PinnedConnection:
 
 
 @asynccontextmanager
-async def pinned_connection(client: Redis) -> AsyncIterator[PinnedConnection]:
-    """Borrow one connection of ``client``'s pool for a block.
+async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedConnection]:
+    """Borrow, for a block, one connection to the node that serves ``key``.
 
-    A block left by an exception -- a cancellation included -- may have left
-    replies unread or a WATCH in place, so its connection is closed rather
-    than reused.
+    On one server (or behind Sentinel) that is a connection of the client's
+    pool; on a cluster, one of the pool of the primary serving ``key``'s
+    slot, as the client last knew the layout: a stale layout answers
+    `REDIRECTS`. A block left by an exception -- a cancellation included --
+    may have left replies unread or a WATCH in place, so its connection is
+    closed rather than reused.
     """
-    pool = client.connection_pool
-    connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    connection: AbstractConnection
+    if isinstance(client, RedisCluster):
+        await client.initialize()
+        node: ClusterNode = client.get_node_from_key(key)  # type: ignore[assignment]
+        node_connection = connection = node.acquire_connection()
+
+        async def give_back() -> None:
+            node.release(node_connection)
+
+    else:
+        pool = client.connection_pool
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+
+        async def give_back() -> None:
+            await pool.release(connection)
+
     try:
         yield PinnedConnection(connection)
     except BaseException:
@@ -99,4 +173,4 @@ async def pinned_connection(client: Redis) -> AsyncIterator[PinnedConnection]:
         raise
     finally:
         with anyio.CancelScope(shield=True):
-            await pool.release(connection)
+            await give_back()

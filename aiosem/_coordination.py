@@ -4,24 +4,37 @@
 that a thousand waiters in a process cost a handful of connections, not a
 thousand. `Subscriber` keeps one pub/sub connection per client and event
 loop, on which every semaphore of the process hears about permits handed to
-its waiters.
+its waiters; on a cluster, `ShardedSubscriber` keeps one per node, each
+subscribed by sharded pub/sub to the channels of the slots the node serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, NamedTuple, TypeVar
 
 import anyio
 import redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import ConnectionPool
+
+from ._connection import REDIRECTS, reroute
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from redis.asyncio import Redis
     from redis.asyncio.client import PubSub
+    from redis.asyncio.cluster import ClusterNode
+
+    from ._connection import Client
+
+    #: Where a subscriber delivers a channel's messages; held weakly.
+    Handler = weakref.WeakMethod[Callable[[str], None]]
 
 logger = logging.getLogger("aiosem")
 
@@ -123,6 +136,18 @@ class Lane(Generic[R]):
             self._flusher = None
 
 
+class _Kinds(NamedTuple):
+    """The commands and message types of classic or of sharded pub/sub."""
+
+    subscribe: str
+    unsubscribe: str
+    message: str
+
+
+_CLASSIC: Final = _Kinds("subscribe", "unsubscribe", "message")
+_SHARDED: Final = _Kinds("ssubscribe", "sunsubscribe", "smessage")
+
+
 class Subscriber:
     """One pub/sub connection of a client, shared by every semaphore of the process.
 
@@ -131,13 +156,21 @@ class Subscriber:
     subscriber is idle. The reader survives connection errors: redis-py
     reconnects and subscribes again, and a message lost meanwhile only
     delays a waiter until its semaphore's next re-check.
+
+    With ``on_dropped`` (a cluster node's subscriber, by sharded pub/sub),
+    the subscriber neither reconnects nor subscribes again on its own: the
+    channels a failed connection, or the server, dropped -- a slot that moved
+    away unsubscribes its channels -- are handed to ``on_dropped``, to be
+    subscribed again wherever their slots are served now.
     """
 
     __slots__ = (
         "__weakref__",
         "_client",
         "_handlers",
+        "_kinds",
         "_loop",
+        "_on_dropped",
         "_pubsub",
         "_reader",
         "_ready",
@@ -147,11 +180,13 @@ class Subscriber:
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Any, Subscriber]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, client: Redis) -> None:
+    def __init__(self, client: Redis, on_dropped: Callable[[dict[str, Handler]], None] | None = None) -> None:
         self._client = client
         self._pubsub: PubSub = client.pubsub()
+        self._kinds = _CLASSIC if on_dropped is None else _SHARDED
+        self._on_dropped = on_dropped
         self._loop = asyncio.get_running_loop()
-        self._handlers: dict[str, weakref.WeakMethod[Callable[[str], None]]] = {}
+        self._handlers: dict[str, Handler] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._subscribing: set[asyncio.Task[None]] = set()
@@ -162,18 +197,23 @@ class Subscriber:
 
     @classmethod
     def of(cls, client: Redis) -> Subscriber:
-        """The subscriber of ``client`` in the running event loop."""
+        """The subscriber of ``client`` (not a cluster client) in the running event loop."""
         subscriber = cls._registry.get(client)
         if subscriber is None or subscriber.loop is not asyncio.get_running_loop():
             subscriber = cls._registry[client] = cls(client)
         return subscriber
 
     @property
+    def channels(self) -> int:
+        """How many channels are subscribed, or being subscribed."""
+        return len(self._handlers)
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this subscriber serves."""
         return self._loop
 
-    async def subscribe(self, channel: str, handler: Callable[[str], None]) -> None:
+    async def subscribe(self, channel: str, handler: Callable[[str], None] | Handler) -> None:
         """Deliver the messages of ``channel`` to ``handler`` from now on.
 
         Returns once the server has confirmed the subscription; concurrent
@@ -185,7 +225,8 @@ class Subscriber:
         """
         ready = self._ready.get(channel)
         if ready is None:
-            self._handlers[channel] = weakref.WeakMethod(handler)
+            weak = handler if isinstance(handler, weakref.WeakMethod) else weakref.WeakMethod(handler)
+            self._handlers[channel] = weak
             ready = self._ready[channel] = self._loop.create_future()
             # Sent from a task of the subscriber's own, so that a caller
             # cancelled meanwhile cannot take the subscription from the others.
@@ -213,14 +254,14 @@ class Subscriber:
             return
         try:
             async with self._sending:
-                await self._pubsub.unsubscribe(channel)
+                await getattr(self._pubsub, self._kinds.unsubscribe)(channel)
         except Exception:  # the connection's end drops the subscription anyway
             logger.debug("unsubscribing from %s failed", channel, exc_info=True)
 
     async def _send_subscribe(self, channel: str, ready: asyncio.Future[None]) -> None:
         try:
             async with self._sending:
-                await self._pubsub.subscribe(channel)
+                await getattr(self._pubsub, self._kinds.subscribe)(channel)
         except Exception as error:  # noqa: BLE001 -- every caller waiting on this subscription gets the error
             if self._ready.get(channel) is ready:
                 del self._handlers[channel], self._ready[channel]
@@ -245,6 +286,11 @@ class Subscriber:
                     self._refuse(error)
                     continue
                 except redis.RedisError:
+                    if self._on_dropped is not None:
+                        # Subscribed again elsewhere, wherever the slots went.
+                        logger.debug("a pub/sub connection to a cluster node failed", exc_info=True)
+                        self._drop(list(self._handlers))
+                        continue
                     # redis-py reconnects and subscribes again on the next read.
                     if failures == 0:
                         logger.warning("aiosem's pub/sub connection failed; reconnecting", exc_info=True)
@@ -254,16 +300,8 @@ class Subscriber:
                 failures = 0
                 if message is None:
                     await self._prune()
-                    continue
-                channel = text(message["channel"])
-                ready = self._ready.get(channel)
-                if message["type"] == "subscribe" and ready is not None and not ready.done():
-                    ready.set_result(None)
-                elif message["type"] == "message":
-                    handler = self._handlers.get(channel)
-                    method = None if handler is None else handler()
-                    if method is not None:
-                        method(text(message["data"]))
+                else:
+                    await self._deliver(message)
         finally:
             # A subscribe made while this closes must not lose its connection:
             # it gets a new pub/sub object, and this one is closed alone.
@@ -277,6 +315,33 @@ class Subscriber:
                 except redis.RedisError:
                     logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
 
+    async def _deliver(self, message: dict[str, Any]) -> None:
+        channel = text(message["channel"])
+        ready = self._ready.get(channel)
+        kind = message["type"]
+        if kind == self._kinds.subscribe and ready is not None and not ready.done():
+            ready.set_result(None)
+        elif kind == self._kinds.message:
+            handler = self._handlers.get(channel)
+            method = None if handler is None else handler()
+            if method is not None:
+                method(text(message["data"]))
+        elif kind == self._kinds.unsubscribe and self._on_dropped is not None and ready is not None:
+            # Not asked for (those leave `_ready` first): the slot moved to
+            # another node, whose subscriber takes the channel over. redis-py
+            # forgets it only once it has unsubscribed it itself.
+            await self._pubsub.sunsubscribe(channel)
+            self._drop([channel])
+
+    def _drop(self, channels: Sequence[str]) -> None:
+        assert self._on_dropped is not None  # noqa: S101 -- only a cluster node's subscriber drops channels
+        dropped = {channel: self._handlers.pop(channel) for channel in channels}
+        for channel in channels:
+            ready = self._ready.pop(channel)
+            if not ready.done():
+                ready.set_exception(redis.ConnectionError(f"the subscription to {channel} was dropped"))
+        self._on_dropped(dropped)
+
     def _refuse(self, error: redis.ResponseError) -> None:
         refused = [channel for channel, ready in self._ready.items() if not ready.done()]
         for channel in refused:
@@ -289,8 +354,129 @@ class Subscriber:
         gone = [channel for channel, handler in self._handlers.items() if handler() is None]
         for channel in gone:
             del self._handlers[channel], self._ready[channel]
-        if gone:
-            await self._pubsub.unsubscribe(*gone)
+        # One at a time: sharded channels of several slots in one command
+        # would be refused.
+        for channel in gone:
+            await getattr(self._pubsub, self._kinds.unsubscribe)(channel)
+
+
+class ShardedSubscriber:
+    """The subscriptions of a cluster client: each channel by sharded pub/sub on its slot's node.
+
+    One `Subscriber` per node, on a connection of its own. A channel whose
+    subscription a node drops -- its slot moved, or the node failed -- is
+    subscribed again in the background on whichever node serves its slot
+    once the client has learnt the new layout, for as long as its handler
+    lives; messages lost meanwhile only delay waiters until their next
+    re-check.
+    """
+
+    __slots__ = ("__weakref__", "_client", "_loop", "_nodes", "_resubscribing", "_wanted")
+
+    _registry: ClassVar[weakref.WeakKeyDictionary[Any, ShardedSubscriber]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, client: RedisCluster) -> None:
+        self._client = client
+        self._loop = asyncio.get_running_loop()
+        #: The subscriber of each node, by node name.
+        self._nodes: dict[str, tuple[Subscriber, Redis]] = {}
+        #: Every channel subscribed, or to subscribe again, with its handler.
+        self._wanted: dict[str, Handler] = {}
+        self._resubscribing: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def of(cls, client: RedisCluster) -> ShardedSubscriber:
+        """The subscriber of cluster ``client`` in the running event loop."""
+        subscriber = cls._registry.get(client)
+        if subscriber is None or subscriber.loop is not asyncio.get_running_loop():
+            subscriber = cls._registry[client] = cls(client)
+        return subscriber
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this subscriber serves."""
+        return self._loop
+
+    async def subscribe(self, channel: str, handler: Callable[[str], None]) -> None:
+        """Deliver the messages of ``channel`` to ``handler`` from now on, from the node of its slot.
+
+        Raises:
+            TimeoutError: No confirmation within 5 s.
+            redis.RedisError: The subscription failed or was refused.
+        """
+        self._wanted[channel] = weak = weakref.WeakMethod(handler)
+        with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
+            await self._subscribe_where_served(channel, weak)
+
+    async def _subscribe_where_served(self, channel: str, handler: Handler) -> None:
+        for attempt in itertools.count():
+            await self._client.initialize()
+            node: ClusterNode = self._client.get_node_from_key(channel)  # type: ignore[assignment]
+            try:
+                await self._node_subscriber(node).subscribe(channel, handler)
+            except REDIRECTS as error:
+                await reroute(self._client, error, attempt)
+                continue
+            return
+
+    def _node_subscriber(self, node: ClusterNode) -> Subscriber:
+        entry = self._nodes.get(node.name)
+        if entry is None:
+            pool = ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
+            client = redis.asyncio.Redis(connection_pool=pool)
+            entry = self._nodes[node.name] = (Subscriber(client, on_dropped=self._dropped), client)
+        return entry[0]
+
+    async def unsubscribe(self, channel: str) -> None:
+        """Stop delivering the messages of ``channel``; failures are logged, as `Subscriber.unsubscribe` does."""
+        if self._wanted.pop(channel, None) is None:
+            return
+        for subscriber, _ in list(self._nodes.values()):
+            await subscriber.unsubscribe(channel)
+        await self._close_idle()
+
+    async def _close_idle(self) -> None:
+        for name, (subscriber, client) in list(self._nodes.items()):
+            if subscriber.channels == 0:
+                del self._nodes[name]
+                await client.aclose(close_connection_pool=True)
+
+    def _dropped(self, handlers: dict[str, Handler]) -> None:
+        wanted = {channel: handler for channel, handler in handlers.items() if self._wanted.get(channel) is handler}
+        if wanted:
+            task = self._loop.create_task(self._resubscribe(wanted))
+            self._resubscribing.add(task)
+            task.add_done_callback(self._resubscribing.discard)
+
+    async def _resubscribe(self, handlers: dict[str, Handler]) -> None:
+        failures = 0
+        while handlers:
+            channel, handler = next(iter(handlers.items()))
+            if self._wanted.get(channel) is not handler or handler() is None:
+                del handlers[channel]
+                continue
+            try:
+                with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
+                    await self._subscribe_where_served(channel, handler)
+            except (TimeoutError, redis.RedisError, redis.exceptions.RedisClusterException):
+                # The cluster is failing over, or the layout is in flux.
+                if failures == 0:
+                    logger.warning("could not subscribe again to %s on the cluster; retrying", channel, exc_info=True)
+                failures += 1
+                await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+                with contextlib.suppress(Exception):
+                    await self._client.nodes_manager.initialize()
+                continue
+            failures = 0
+            del handlers[channel]
+        await self._close_idle()
+
+
+def subscriber_of(client: Client) -> Subscriber | ShardedSubscriber:
+    """The subscriber of ``client`` in the running event loop: sharded on a cluster."""
+    if isinstance(client, RedisCluster):
+        return ShardedSubscriber.of(client)
+    return Subscriber.of(client)
 
 
 def raise_if_cancel_swallowed(task: asyncio.Task[Any] | None) -> None:

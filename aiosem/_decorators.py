@@ -49,9 +49,8 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
     from types import TracebackType
 
-    import redis.asyncio
-
     from ._config import Semaphore
+    from ._connection import Client
     from ._semaphore import Permit
 
 __all__ = ["limit_concurrency", "limit_rate", "limiter", "rate_limiter"]
@@ -115,7 +114,7 @@ def limiter(
     *,
     timeout: float | None = None,
     blocking_timeout: float | None = None,
-    client: redis.asyncio.Redis | None = None,
+    client: Client | None = None,
     prefix: str | None = None,
     kind: Kind | None = None,
     waiter_timeout: float | None = None,
@@ -445,7 +444,7 @@ def limit_concurrency(
     *,
     timeout: float | None = None,
     blocking_timeout: float | None = None,
-    client: redis.asyncio.Redis | None = None,
+    client: Client | None = None,
     prefix: str | None = None,
     kind: Kind | None = None,
     waiter_timeout: float | None = None,
@@ -557,7 +556,7 @@ def limit_rate(
     *,
     burst: int | None = None,
     blocking_timeout: float | None = None,
-    client: redis.asyncio.Redis | None = None,
+    client: Client | None = None,
     prefix: str | None = None,
 ) -> _RateLimit:
     """Limit how often calls of an async function start, across every process.
@@ -647,7 +646,7 @@ def rate_limiter(
     *,
     burst: int | None = None,
     blocking_timeout: float | None = None,
-    client: redis.asyncio.Redis | None = None,
+    client: Client | None = None,
     prefix: str | None = None,
 ) -> AbstractAsyncContextManager[None]:
     """Limit how often a block of code starts, by a rate limiter's name.

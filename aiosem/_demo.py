@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
-from typing import Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 import redis
 import redis.asyncio
@@ -30,6 +30,10 @@ from ._fair import AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore
 from ._scripts import ALL_SCRIPTS
 from ._timing import Backoff, Deadline
+from ._urls import close, connect
+
+if TYPE_CHECKING:
+    from ._connection import Client
 
 Kind: TypeAlias = Literal[
     "fair", "locked", "recipe-basic", "recipe-fair", "recipe-locked", "recipe-lock", "recipe-lock-with-timeout"
@@ -88,7 +92,7 @@ class Result:
 Holder = Callable[[], contextlib.AbstractAsyncContextManager[None]]
 
 
-def _holder(client: redis.asyncio.Redis, config: Config) -> Holder:
+def _holder(client: Client, config: Config) -> Holder:
     """How one coroutine of this kind holds a permit."""
     name, limit = config.name, config.limit
     if config.kind in ("fair", "locked"):
@@ -140,7 +144,7 @@ def _holder(client: redis.asyncio.Redis, config: Config) -> Holder:
 
 
 async def _work(config: Config) -> Result:
-    client = redis.asyncio.Redis.from_url(config.url, max_connections=config.coroutines + 4)
+    client = connect(config.url)
     grants = peak = over = 0
     try:
         hold = _holder(client, config)
@@ -164,7 +168,7 @@ async def _work(config: Config) -> Result:
 
         await asyncio.gather(*(loop() for _ in range(config.coroutines)))
     finally:
-        await client.aclose()
+        await close(client)
     return Result(grants, peak, over)
 
 
@@ -178,23 +182,27 @@ def run(config: Config, *, on_tick: Callable[[int, float], None] | None = None) 
     ``on_tick(in_use, elapsed)`` is called about ten times a second with the
     in-use counter as Redis has it.
     """
-    watcher = redis.Redis.from_url(config.url)
-    watcher.delete(config.in_use_key, config.ready_key)
-    started = time.monotonic()
+    return asyncio.run(_watch(config, on_tick))
+
+
+async def _watch(config: Config, on_tick: Callable[[int, float], None] | None) -> Result:
+    watcher = connect(config.url)
     try:
+        await watcher.delete(config.in_use_key, config.ready_key)
+        started = time.monotonic()
         with ProcessPoolExecutor(config.workers, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(_worker_process, config) for _ in range(config.workers)]
+            futures = [asyncio.wrap_future(pool.submit(_worker_process, config)) for _ in range(config.workers)]
             while not all(future.done() for future in futures):
                 if on_tick is not None:
-                    on_tick(int(watcher.get(config.in_use_key) or 0), time.monotonic() - started)
-                time.sleep(0.1)
+                    on_tick(int(await watcher.get(config.in_use_key) or 0), time.monotonic() - started)
+                await asyncio.wait(futures, timeout=0.1)
             total = Result(0, 0, 0)
             for future in futures:
                 total += future.result()
             return total
     finally:
-        watcher.delete(config.in_use_key, config.ready_key)
-        watcher.close()
+        await watcher.delete(config.in_use_key, config.ready_key)
+        await close(watcher)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ Everything aiosem raises on purpose derives from `SemaphoreError`::
     SemaphoreError
     ├── AcquireTimeout   (also a TimeoutError)
     ├── LimitMismatch
+    ├── NotReplicated
     └── PermitLost
 
 Misuse -- a bad argument, a permit handed to the wrong semaphore -- raises the
@@ -16,7 +17,7 @@ by redis-py.
 
 from __future__ import annotations
 
-__all__ = ["AcquireTimeout", "LimitMismatch", "PermitLost", "SemaphoreError"]
+__all__ = ["AcquireTimeout", "LimitMismatch", "NotReplicated", "PermitLost", "SemaphoreError"]
 
 
 class SemaphoreError(Exception):
@@ -74,6 +75,35 @@ class LimitMismatch(SemaphoreError):
         self.limit = limit
         #: The limit the semaphore is in use with.
         self.stored_limit = stored_limit
+
+
+class NotReplicated(SemaphoreError):
+    """Fewer replicas than a semaphore's ``replicas`` acknowledged a step in time.
+
+    A semaphore made with ``replicas=n`` follows each acquire and refresh
+    with a ``WAIT`` for ``n`` replicas, so that a failover cannot forget a
+    permit its holder was told it has. When the replicas do not all answer
+    within the wait, the step is not trusted: an acquire gives back what it
+    took and raises this; a refresh by hand raises it (the permit's lease
+    runs on from the last refresh that was replicated); a permit kept alive
+    in the background is lost if no refresh is replicated before its lease
+    runs out.
+
+    Attributes:
+        name: The name of the semaphore.
+        replicas: How many replicas the semaphore waits for.
+        acknowledged: How many acknowledged the step.
+    """
+
+    def __init__(self, *, name: str, replicas: int, acknowledged: int) -> None:
+        super().__init__(
+            f"a step of semaphore {name!r} reached {acknowledged} of the {replicas} replica(s) it waits for",
+            name=name,
+        )
+        #: How many replicas the semaphore waits for.
+        self.replicas = replicas
+        #: How many acknowledged the step.
+        self.acknowledged = acknowledged
 
 
 class PermitLost(SemaphoreError):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
+from ._connection import Client, publish_command
 from ._coordination import text
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import Operation, Reply, _Semaphore
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    from redis.asyncio import Redis
 
     from ._keys import SemaphoreKeys
 
@@ -25,7 +25,7 @@ def format_now(now: float | None) -> str:
     return "" if now is None else repr(now)
 
 
-def parse_reply(raw: Sequence[Any], count: int) -> Reply:
+def parse_reply(raw: Sequence[Any], count: int, replicated: int | None = None) -> Reply:
     """Read the reply every fair step returns (see ``lua/_prelude.lua``)."""
     next_expiry = int(raw[2])
     handed = raw[3 + count :]
@@ -35,11 +35,12 @@ def parse_reply(raw: Sequence[Any], count: int) -> Reply:
         next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
         values=tuple(int(value) for value in raw[3 : 3 + count]),
         granted=tuple((text(handed[i]), int(handed[i + 1])) for i in range(0, len(handed), 2)),
+        replicated=replicated,
     )
 
 
 async def fair_step(
-    client: Redis,
+    client: Client,
     operation: Operation,
     keys: SemaphoreKeys,
     identifiers: Sequence[str],
@@ -50,8 +51,15 @@ async def fair_step(
     waiter_ttl: float,
     caller: str = "",
     mode: str = "",
+    replicas: int = 0,
+    replication_timeout: float = 0.0,
 ) -> Reply:
-    """Run one fair-semaphore script; shared by the class and the recipes."""
+    """Run one fair-semaphore script; shared by the class and the recipes.
+
+    With ``replicas``, the script is followed by a ``WAIT`` of at most
+    ``replication_timeout`` on its connection, and the reply says how many
+    replicas acknowledged it.
+    """
     args = [
         format_now(now),
         repr(lease),
@@ -59,11 +67,17 @@ async def fair_step(
         repr(waiter_ttl),
         caller,
         keys.channels,
+        publish_command(client),
         mode,
         *identifiers,
     ]
-    raw = await _SCRIPTS[operation].run(client, keys.fair, args)
-    return parse_reply(raw, len(identifiers))
+    script = _SCRIPTS[operation]
+    if not replicas:
+        return parse_reply(await script.run(client, keys.fair, args), len(identifiers))
+    raw, acknowledged = await script.run_replicated(
+        client, keys.fair, args, replicas, max(1, math.ceil(replication_timeout * 1000))
+    )
+    return parse_reply(raw, len(identifiers), acknowledged)
 
 
 class AsyncFairSemaphore(_Semaphore):
@@ -109,6 +123,11 @@ class AsyncFairSemaphore(_Semaphore):
             ``on_lost(PermitLost)`` (in a background task: it must not
             block) and the body runs on, instead of being cancelled; the
             block still raises `PermitLost` as it ends.
+        replicas: Follow each acquire and refresh with a ``WAIT`` until this
+            many replicas have it (at most ``waiter_timeout``; fewer raises
+            `NotReplicated`), so that a failover to a replica cannot forget
+            a permit its holder was told it has. 0, the default, waits for
+            none: Redis replicates asynchronously. See the deployment page.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -129,4 +148,6 @@ class AsyncFairSemaphore(_Semaphore):
             waiter_ttl=self._waiter_ttl,
             caller=self._process,
             mode=mode,
+            replicas=self._replicas if operation != "release" and mode != "count" else 0,
+            replication_timeout=self._waiter_ttl,
         )

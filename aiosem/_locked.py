@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
 import secrets
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from ._connection import Command, PinnedConnection, pinned_connection
+from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
 from ._coordination import Lane, Submission
 from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-
-    from redis.asyncio import Redis
 
     from ._keys import SemaphoreKeys
     from ._semaphore import LostCallback
@@ -71,6 +69,8 @@ class AsyncLockedSemaphore(_Semaphore):
         refresh_interval: How often permits held through ``async with``
             are refreshed (see `AsyncFairSemaphore`).
         on_lost: Notify instead of cancelling (see `AsyncFairSemaphore`).
+        replicas: Wait for this many replicas to have each acquire and
+            refresh (see `AsyncFairSemaphore`).
         lock_timeout: How long the step lock lives if its holder dies
             mid-step, in seconds: the longest a crash can stall the others.
 
@@ -83,7 +83,7 @@ class AsyncLockedSemaphore(_Semaphore):
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         name: str,
         limit: int,
         *,
@@ -94,6 +94,7 @@ class AsyncLockedSemaphore(_Semaphore):
         waiter_timeout: float | None = None,
         refresh_interval: float | None = None,
         on_lost: LostCallback | None = None,
+        replicas: int = 0,
         lock_timeout: float = 1.0,
     ) -> None:
         super().__init__(
@@ -107,6 +108,7 @@ class AsyncLockedSemaphore(_Semaphore):
             waiter_timeout=waiter_timeout,
             refresh_interval=refresh_interval,
             on_lost=on_lost,
+            replicas=replicas,
         )
         self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
         #: The tickets of waiters not yet queued.
@@ -172,7 +174,7 @@ class AsyncLockedSemaphore(_Semaphore):
         locked = False
         committed: Any = None
         try:
-            async with pinned_connection(self._client) as connection:
+            async with pinned_connection(self._client, self._keys.lock) as connection:
                 locked = True
                 replies = await connection.batch(*reads)
                 if unticketed:
@@ -197,6 +199,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     limit=self._limit,
                     waiter_ttl=self._waiter_ttl,
                     caller=self._process,
+                    publish=publish_command(self._client),
                     leases=_parse_zset(connection, replies[2]),
                     owners=_parse_zset(connection, replies[3]),
                     counter=int(replies[4] or 0),
@@ -210,7 +213,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     tickets=self._tickets,
                 )
                 reply = plan.run(operation, mode, members)
-                committed = (await connection.batch(("MULTI",), *plan.writes, ("DEL", keys.lock), ("EXEC",)))[-1]
+                committed, reply = await self._commit(connection, plan, reply, operation, mode)
                 locked = committed is None
                 if not locked:
                     for member in members:
@@ -222,6 +225,21 @@ class AsyncLockedSemaphore(_Semaphore):
         if locked:
             await self._unlock(owner)
         return None if committed is None else reply
+
+    async def _commit(
+        self, connection: PinnedConnection, plan: _Plan, reply: Reply, operation: Operation, mode: str
+    ) -> tuple[Any, Reply]:
+        """Write what ``plan`` decided and free the lock, in one transaction: EXEC's reply, and the step's."""
+        commit: list[Command] = [("MULTI",), *plan.writes, ("DEL", self._keys.lock), ("EXEC",)]
+        replicas = self._replicas if operation != "release" and mode != "count" else 0
+        if replicas:
+            # On the connection that wrote: WAIT counts its writes.
+            commit.append(("WAIT", replicas, max(1, math.ceil(self._waiter_ttl * 1000))))
+        replies = await connection.batch(*commit)
+        if not replicas:
+            return replies[-1], reply
+        committed = replies[-2]
+        return committed, reply if committed is None else dataclasses.replace(reply, replicated=int(replies[-1]))
 
     async def _unlock_after(self, owner: str, error: BaseException) -> None:
         """Free the lock of a step that ``error`` interrupted."""
@@ -242,7 +260,7 @@ class AsyncLockedSemaphore(_Semaphore):
         # so deleting it first only makes that EXEC abort: safe either way.
         with anyio.CancelScope(shield=True), anyio.move_on_after(_UNLOCK_TIMEOUT):
             try:
-                async with pinned_connection(self._client) as connection:
+                async with pinned_connection(self._client, self._keys.lock) as connection:
                     value = (await connection.batch(("WATCH", self._keys.lock), ("GET", self._keys.lock)))[1]
                     if value is not None and connection.encode(value) == owner.encode():
                         await connection.batch(("MULTI",), ("DEL", self._keys.lock), ("EXEC",))
@@ -252,7 +270,7 @@ class AsyncLockedSemaphore(_Semaphore):
                 logger.warning("could not free the lock of %r; it expires by itself", self, exc_info=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Tickets:
     values: tuple[int, ...]
 
@@ -275,6 +293,7 @@ class _Plan:
         limit: int,
         waiter_ttl: float,
         caller: str,
+        publish: str,
         leases: dict[bytes, float],
         owners: dict[bytes, float],
         counter: int,
@@ -294,6 +313,8 @@ class _Plan:
         self.limit = limit
         self.waiter_ttl = waiter_ttl
         self.caller = caller.encode()
+        #: How a grant wakes another process: PUBLISH, or SPUBLISH on a cluster.
+        self.publish = publish
         self.initial_counter = self.counter = counter
         self.cancelled = cancelled
         self.stored_limit = stored_limit
@@ -389,7 +410,7 @@ class _Plan:
         if heads:
             self._leave_queue(heads)
         for owner, grants in messages.items():
-            self.writes.append(("PUBLISH", self.keys.channels + owner.decode(), "".join(grants)))
+            self.writes.append((self.publish, self.keys.channels + owner.decode(), "".join(grants)))
 
     def _acquire(self, member: bytes, mode: str) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
         keys = self.keys

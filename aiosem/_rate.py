@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-    from redis.asyncio import Redis
+    from ._connection import Client
+
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -71,7 +72,7 @@ class AsyncRateLimiter:
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         name: str,
         rate: float,
         per: float = 1.0,

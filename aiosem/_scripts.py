@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoScriptError
 
+from ._connection import Client, pinned_connection
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from redis.asyncio import Redis
 
 _LUA = files("aiosem") / "lua"
 _PRELUDE = (_LUA / "_prelude.lua").read_text(encoding="utf-8")
@@ -39,7 +40,7 @@ class Script:
         source = f"{_PRELUDE}\n{body}"
         return cls(name, source, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 -- Redis names scripts by SHA1
 
-    async def run(self, client: Redis, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    async def run(self, client: Client, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """Run the script by EVALSHA, falling back to EVAL on NOSCRIPT.
 
         Raises:
@@ -49,6 +50,29 @@ class Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await client.eval(self.source, len(keys), *keys, *args)
+
+    async def run_replicated(
+        self, client: Client, keys: Sequence[str], args: Sequence[str | int], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """Run the script, then ``WAIT`` for ``replicas`` replicas to have it, at most ``timeout_ms``.
+
+        ``WAIT`` counts the replicas that acknowledged the writes made on
+        its own connection, so both go in one batch on one connection to
+        the node serving ``keys[0]``.
+
+        Returns:
+            The script's reply, and how many replicas acknowledged it.
+
+        Raises:
+            redis.RedisError: Anything but NOSCRIPT, as redis-py raised it.
+        """
+        wait = ("WAIT", replicas, timeout_ms)
+        async with pinned_connection(client, keys[0]) as connection:
+            try:
+                reply, acknowledged = await connection.batch(("EVALSHA", self.sha, len(keys), *keys, *args), wait)
+            except NoScriptError:
+                reply, acknowledged = await connection.batch(("EVAL", self.source, len(keys), *keys, *args), wait)
+        return reply, int(acknowledged)
 
 
 FAIR_ACQUIRE = Script.load("fair_acquire")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import secrets
 from abc import ABC, abstractmethod
@@ -28,18 +29,17 @@ from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 import anyio
 import redis
 
-from ._coordination import Lane, Submission, Subscriber, raise_if_cancel_swallowed, text
-from ._exceptions import AcquireTimeout, LimitMismatch, PermitLost, SemaphoreError
+from ._connection import REDIRECTS, Client, check_cluster_support, pinned_connection, reroute
+from ._coordination import Lane, Submission, raise_if_cancel_swallowed, subscriber_of, text
+from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._timing import Backoff, Deadline
-from ._validation import check_limit, check_name, check_timeout, check_wait
+from ._validation import check_limit, check_name, check_replicas, check_timeout, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
-
-    from redis.asyncio import Redis
 
     #: Called with the loss of a permit kept alive.
     LostCallback: TypeAlias = Callable[[PermitLost], object]
@@ -67,6 +67,8 @@ _RETRY_PAUSE: Final = 0.05
 LIMIT_MISMATCH: Final = -3
 #: The least time a step is given before it is presumed stalled (at least a lease).
 _SHORTEST_STEP_BOUND: Final = 5.0
+#: How often a read-only look follows a moving slot before it gives up.
+_MOST_REDIRECTS: Final = 20
 
 
 class _Default(enum.Enum):
@@ -115,6 +117,8 @@ class Reply:
             ``None`` when nobody holds.
         values: One result per identifier of the step (see the scripts).
         granted: The waiters this step handed a permit, with their tokens.
+        replicated: How many replicas acknowledged the step, if it waited
+            for them (``None``: it did not).
     """
 
     holders: int
@@ -122,6 +126,7 @@ class Reply:
     next_expiry: float | None
     values: tuple[int, ...]
     granted: tuple[tuple[str, int], ...] = ()
+    replicated: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +178,7 @@ class _Semaphore(ABC):
         "_recheck_at",
         "_refresh_failures",
         "_refresh_interval",
+        "_replicas",
         "_subscribed",
         "_timeout",
         "_waiter_ttl",
@@ -182,7 +188,7 @@ class _Semaphore(ABC):
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         name: str,
         limit: int,
         *,
@@ -193,7 +199,9 @@ class _Semaphore(ABC):
         waiter_timeout: float | None = None,
         refresh_interval: float | None = None,
         on_lost: LostCallback | None = None,
+        replicas: int = 0,
     ) -> None:
+        check_cluster_support(client)
         self._name = check_name(name)
         self._limit = check_limit(limit)
         self._timeout = check_timeout(timeout)
@@ -218,6 +226,7 @@ class _Semaphore(ABC):
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
         self._on_lost = on_lost
+        self._replicas = check_replicas(replicas)
         self._client = client
         self._clock = clock
         #: This object's identity in Redis: its waiters' identifiers and its
@@ -274,6 +283,11 @@ class _Semaphore(ABC):
     def refresh_interval(self) -> float:
         """How often held permits are refreshed, in seconds (default: a third of ``timeout``)."""
         return self._refresh_interval
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas must acknowledge each acquire and refresh (0: none are waited for)."""
+        return self._replicas
 
     @property
     def key(self) -> str:
@@ -358,22 +372,44 @@ class _Semaphore(ABC):
         return reply
 
     async def _bounded_execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
-        """`_execute`, bounded so that a stalled connection cannot hang a step."""
+        """`_execute`, bounded so that a stalled connection cannot hang a step.
+
+        On a cluster, a step turned away because the semaphore's slot moved
+        or is moving did nothing, and is tried again on the slot's owner
+        within the same bound.
+        """
+        redirect: Exception | None = None
         try:
             with anyio.fail_after(max(self._timeout, _SHORTEST_STEP_BOUND)):
-                return await self._execute(operation, mode, identifiers)
+                for attempt in itertools.count():
+                    try:
+                        reply = await self._execute(operation, mode, identifiers)
+                    except REDIRECTS as error:
+                        redirect = error
+                        await reroute(self._client, error, attempt)
+                        continue
+                    break
         except TimeoutError:
             raise redis.TimeoutError(
                 f"a {operation} step of semaphore {self._name!r} took longer than its lease; given up"
-            ) from None
+            ) from redirect
+        if reply is not None and reply.replicated is not None and reply.replicated < self._replicas:
+            raise NotReplicated(name=self._name, replicas=self._replicas, acknowledged=reply.replicated)
+        return reply
 
     def _observe(self, reply: Reply, sent: float) -> None:
         """Learn what a reply to a step sent at ``sent`` says about this object's waiters."""
         self._last = reply
         for identifier, token in reply.granted:
-            # Granted by this object's own call: a full lease, nothing to claim.
+            # Granted by this object's own call: a full lease, nothing to
+            # claim -- unless replicas must have the grant and this step did
+            # not wait for them: then a claim that does confirms it first.
             waiter = self._waiters.get(identifier)
             if waiter is not None and not waiter.done():
+                if self._replicas and reply.replicated is None:
+                    self._claims.add(identifier)
+                    self._start_pump()
+                    continue
                 self._confirmed[identifier] = (sent, self._timeout)
                 waiter.set_result(token)
         if self._queued:
@@ -397,13 +433,17 @@ class _Semaphore(ABC):
             # here gave up, and its cancel step gives the permit back; one
             # resolved already was claimed by the re-check that resolved it.
             waiter = self._waiters.get(identifier)
-            if waiter is not None and not waiter.done() and token.isdigit():
+            if waiter is None or waiter.done() or not token.isdigit():
+                continue
+            self._claims.add(identifier)
+            if not self._replicas:
                 # Granted after the last step that found it queued was sent,
-                # for a waiter timeout: a lease at least that long.
+                # for a waiter timeout: a lease at least that long. (With
+                # replicas, the grant may not have reached them yet: the
+                # waiter returns once its claim has, and was waited for.)
                 proven = self._proven.get(identifier, asyncio.get_running_loop().time() - self._waiter_ttl)
                 self._confirmed[identifier] = (proven, self._waiter_ttl)
                 waiter.set_result(int(token))
-                self._claims.add(identifier)
         if self._claims:
             self._start_pump()
 
@@ -517,7 +557,7 @@ class _Semaphore(ABC):
         if self._subscribed:
             return
         try:
-            await Subscriber.of(self._client).subscribe(self._keys.channels + self._process, self._on_message)
+            await subscriber_of(self._client).subscribe(self._keys.channels + self._process, self._on_message)
         except (TimeoutError, redis.RedisError):
             if not self._subscribed:
                 # Waiters still get their permits, from the pump's re-checks.
@@ -840,7 +880,7 @@ class _Semaphore(ABC):
                 await asyncio.gather(pump, return_exceptions=True)
             if self._subscribed:
                 self._subscribed = False
-                await Subscriber.of(self._client).unsubscribe(self._keys.channels + self._process)
+                await subscriber_of(self._client).unsubscribe(self._keys.channels + self._process)
             if holds:
                 await self._submit("release", "release", [hold.permit.identifier for hold in holds])
 
@@ -877,19 +917,38 @@ class _Semaphore(ABC):
         Raises:
             redis.RedisError: Redis failed or could not be reached.
         """
-        async with self._client.pipeline(transaction=True) as pipe:
-            pipe.zrange(self._keys.timeout_set, 0, -1, withscores=True)
-            pipe.zrange(self._keys.owner_set, 0, -1)
-            pipe.time()
-            leases, owners, (seconds, microseconds) = await pipe.execute()
+        keys = self._keys
+        for attempt in itertools.count():
+            try:
+                async with pinned_connection(self._client, keys.base) as connection:
+                    *_, (leases, owners, time) = await connection.batch(
+                        ("MULTI",),
+                        ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+                        ("ZRANGE", keys.owner_set, 0, -1),
+                        ("TIME",),
+                        ("EXEC",),
+                    )
+                break
+            except REDIRECTS as error:
+                if attempt >= _MOST_REDIRECTS:
+                    raise
+                await reroute(self._client, error, attempt)
+            except redis.ConnectionError:
+                # A pooled connection the server closed (it restarted, say)
+                # fails its first use; a read-only look tries a new one, once,
+                # as redis-py's own commands do.
+                if attempt:
+                    raise
         now = self._now()
         if now is None:
-            now = seconds + microseconds / 1_000_000
+            now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}
+        # RESP2 answers ZRANGE WITHSCORES flat, [member, score, ...]; RESP3 in pairs.
+        pairs = leases if leases and isinstance(leases[0], list) else zip(leases[::2], leases[1::2], strict=True)
         return {
             text(member): remaining
-            for member, score in leases
-            if text(member) in owned and (remaining := score + self._timeout - now) > 0
+            for member, score in pairs
+            if text(member) in owned and (remaining := float(score) + self._timeout - now) > 0
         }
 
     def statistics(self) -> SemaphoreStatistics:

@@ -86,3 +86,11 @@ def check_burst(value: object) -> int:
     if not 1 <= value <= MOST_BURST:
         raise ValueError(f"burst must be between 1 and {MOST_BURST:,}, got {value}")
     return value
+
+
+def check_replicas(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"replicas must be an int, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"replicas must not be negative, got {value}")
+    return value

@@ -45,7 +45,7 @@ from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_now, check_timeout, check_wait
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from ._connection import Client
 
 __all__ = [
     "acquire_fair_semaphore",
@@ -71,7 +71,7 @@ def _semaphore_args(semname: object, timeout: object, now: object) -> tuple[str,
 
 
 async def acquire_semaphore(
-    conn: Redis, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
 ) -> str | None:
     """Try once to take a permit of the book's basic semaphore (listing 6.12).
 
@@ -101,7 +101,7 @@ async def acquire_semaphore(
 
 
 async def release_semaphore(
-    conn: Redis, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
 ) -> bool:
     """Release a permit of the basic semaphore (listing 6.13).
 
@@ -117,7 +117,7 @@ async def release_semaphore(
 
 
 async def acquire_fair_semaphore(
-    conn: Redis, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
 ) -> str | None:
     """Try once to take a permit of the book's fair semaphore (listing 6.14).
 
@@ -155,7 +155,7 @@ async def acquire_fair_semaphore(
 
 
 async def release_fair_semaphore(
-    conn: Redis, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
 ) -> bool:
     """Release a permit of the fair semaphore (listing 6.15).
 
@@ -171,7 +171,7 @@ async def release_fair_semaphore(
 
 
 async def refresh_fair_semaphore(
-    conn: Redis, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, identifier: str, timeout: float = 10, *, now: float | None = None
 ) -> bool:
     """Restart the lease of a fair-semaphore permit (listing 6.16).
 
@@ -192,7 +192,7 @@ async def refresh_fair_semaphore(
 
 
 async def _fair_flag(
-    conn: Redis,
+    conn: Client,
     operation: Literal["release", "refresh"],
     semname: object,
     identifier: object,
@@ -214,7 +214,7 @@ async def _fair_flag(
     return reply.values[0] > 0
 
 
-async def _acquire_lock(conn: Redis, lockname: object, acquire_timeout: object, lock_ms: int | None) -> str | None:
+async def _acquire_lock(conn: Client, lockname: object, acquire_timeout: object, lock_ms: int | None) -> str | None:
     key = "lock:" + check_name(lockname, "lockname")
     deadline = Deadline(check_wait(acquire_timeout, "acquire_timeout"))
     identifier = secrets.token_hex(16)
@@ -226,7 +226,7 @@ async def _acquire_lock(conn: Redis, lockname: object, acquire_timeout: object, 
     return identifier
 
 
-async def acquire_lock(conn: Redis, lockname: str, acquire_timeout: float = 10) -> str | None:
+async def acquire_lock(conn: Client, lockname: str, acquire_timeout: float = 10) -> str | None:
     """Take the lock ``lock:`` + ``lockname``, waiting up to ``acquire_timeout`` (listing 6.8).
 
     As in the book, the lock has no timeout: if its holder dies, it stays
@@ -245,7 +245,7 @@ async def acquire_lock(conn: Redis, lockname: str, acquire_timeout: float = 10) 
 
 
 async def acquire_lock_with_timeout(
-    conn: Redis, lockname: str, acquire_timeout: float = 10, lock_timeout: float = 10
+    conn: Client, lockname: str, acquire_timeout: float = 10, lock_timeout: float = 10
 ) -> str | None:
     """Take a lock that frees itself after ``lock_timeout`` seconds (listing 6.11).
 
@@ -264,7 +264,7 @@ async def acquire_lock_with_timeout(
     return await _acquire_lock(conn, lockname, acquire_timeout, lock_ms)
 
 
-async def release_lock(conn: Redis, lockname: str, identifier: str) -> bool:
+async def release_lock(conn: Client, lockname: str, identifier: str) -> bool:
     """Release the lock ``lock:`` + ``lockname`` if ``identifier`` still owns it (listing 6.9).
 
     Compare and delete are one atomic script, under the lock's own key.
@@ -282,7 +282,7 @@ async def release_lock(conn: Redis, lockname: str, identifier: str) -> bool:
 
 
 async def acquire_semaphore_with_lock(
-    conn: Redis, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
+    conn: Client, semname: str, limit: int, timeout: float = 10, *, now: float | None = None
 ) -> str | None:
     """Try to take a fair-semaphore permit under the lock ``lock:`` + ``semname`` (listing 6.17).
 

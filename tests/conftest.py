@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING
 
 import fakeredis
 import pytest
+from redis.asyncio.cluster import RedisCluster
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem._connection import check_cluster_support
 from tests.proxy import TcpProxy
 from tests.support import FakeClock, RedisServer, find_redis_server
+from tests.topology import RedisClusterGroup, SentinelGroup
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -91,3 +94,51 @@ async def proxy(redis_server: RedisServer) -> AsyncIterator[TcpProxy]:
     """A `TcpProxy` in front of the session's server, started in the test's event loop."""
     async with TcpProxy(redis_server.host, redis_server.port) as started:
         yield started
+
+
+def _skip_without_cluster_support() -> None:
+    """The cluster needs redis-py 8 (sharded pub/sub on asyncio); the oldest redis-py run skips it."""
+    try:
+        check_cluster_support(RedisCluster.__new__(RedisCluster))
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterGroup]:
+    """Three cluster masters for the session; tests may move slots, and leave the cluster settled."""
+    _skip_without_cluster_support()
+    with RedisClusterGroup(redis_binary, tmp_path_factory.mktemp("cluster")) as group:
+        yield group
+
+
+@pytest.fixture
+async def cluster_client(redis_cluster: RedisClusterGroup) -> AsyncIterator[RedisCluster]:
+    client = redis_cluster.client()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def sentinel_group(redis_binary: str, tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A master, a replica and three sentinels of the test's own: tests fail the master over."""
+    with SentinelGroup(redis_binary, tmp_path / "sentinel") as group:
+        yield group
+
+
+@pytest.fixture(params=["single", "cluster", "sentinel"])
+def topology_url(request: pytest.FixtureRequest) -> str:
+    """The URL of each deployment in turn: one server, a cluster, a master behind sentinels."""
+    if request.param == "single":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return server.url
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url  # type: ignore[no-any-return]
+    return request.getfixturevalue("steady_sentinel_group").url  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def steady_sentinel_group(redis_binary: str, tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A sentinel group that fails over only when told: a master busy for a second is not judged down."""
+    with SentinelGroup(redis_binary, tmp_path / "sentinel", down_after_ms=10_000) as group:
+        yield group

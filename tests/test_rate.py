@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from aiosem import AcquireTimeout, AsyncRateLimiter
 
 if TYPE_CHECKING:
-    from tests.support import FakeClock, RedisServer
+    from tests.support import FakeClock
 
 #: The most any wait in these tests may take before the test fails.
 BOUND = 30.0
@@ -206,11 +206,11 @@ RATE, BURST, SECONDS, WORKERS = 5, 1, 10.0, 4
 WORKER = textwrap.dedent(
     """
     import asyncio, json, sys, time
-    import redis.asyncio
     from aiosem import AsyncRateLimiter
+    from aiosem._urls import close, connect
 
     async def main(url, start, until):
-        client = redis.asyncio.Redis.from_url(url)
+        client = connect(url)
         limiter = AsyncRateLimiter(client, "crawl", {rate}, burst={burst})
         grants = []
         async def loop():
@@ -221,7 +221,7 @@ WORKER = textwrap.dedent(
         await asyncio.sleep(start - time.perf_counter())
         await asyncio.gather(*(loop() for _ in range(3)))
         print(json.dumps(grants))
-        await client.aclose()
+        await close(client)
 
     asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
     """
@@ -239,7 +239,7 @@ def check_windows(grants: list[float], started: float) -> None:
 
 
 @pytest.mark.slow
-async def test_four_processes_share_one_rate(redis_server: RedisServer) -> None:
+async def test_four_processes_share_one_rate(topology_url: str) -> None:
     # time.perf_counter and the event loop's clock are both CLOCK_MONOTONIC on Linux.
     started = anyio.current_time() + 2.0  # the processes start before the window opens
     workers = [
@@ -247,7 +247,7 @@ async def test_four_processes_share_one_rate(redis_server: RedisServer) -> None:
             sys.executable,
             "-c",
             WORKER,
-            f"{redis_server.url}",
+            topology_url,
             repr(started),
             repr(started + SECONDS),
             stdout=asyncio.subprocess.PIPE,

@@ -24,8 +24,10 @@ local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
 -- ARGV[5] the caller's process token ('' for none); waiter identifiers are
 --         '<process token>.<random>'
 -- ARGV[6] the prefix of the wake-up channels: a process's is prefix .. token
--- ARGV[7] the mode of the operation
--- ARGV[8..] identifiers
+-- ARGV[7] how to wake a process: 'PUBLISH', or 'SPUBLISH' on a cluster,
+--         where the channel shares the keys' hash tag and so their slot
+-- ARGV[8] the mode of the operation
+-- ARGV[9..] identifiers
 --
 -- and every script returns {holders, waiting, next_expiry_us, result_1, ...,
 -- result_n, granted_id_1, token_1, ...}: next_expiry_us is how long until the
@@ -162,7 +164,7 @@ local function aiosem_hand_off(free, state, granted)
   state.holders = state.holders + #heads
   state.queued = state.queued - #heads
   for owner, text in pairs(messages) do
-    redis.call('PUBLISH', state.channels .. owner, text)
+    redis.call(state.publish, state.channels .. owner, text)
   end
 end
 
@@ -213,7 +215,8 @@ local function aiosem_run(operation, hand_off_first)
     waiter_ttl = tonumber(ARGV[4]),
     caller = ARGV[5],
     channels = ARGV[6],
-    mode = ARGV[7],
+    publish = ARGV[7],
+    mode = ARGV[8],
     waiters_written = false,
   }
   state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
@@ -231,7 +234,10 @@ local function aiosem_run(operation, hand_off_first)
     hand_off()
   end
   local identifiers = {}
-  for i = 8, #ARGV do
+  if state.publish ~= 'PUBLISH' and state.publish ~= 'SPUBLISH' then
+    return redis.error_reply('ERR aiosem: ARGV[7] must be PUBLISH or SPUBLISH')
+  end
+  for i = 9, #ARGV do
     identifiers[#identifiers + 1] = ARGV[i]
   end
   local results = operation(identifiers, state)

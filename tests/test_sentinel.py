@@ -1,0 +1,182 @@
+"""Sentinel: a semaphore keeps working through a failover, and ``replicas=1`` forgets no permit.
+
+A master, its replica and three sentinels of each test's own
+(`tests.topology.SentinelGroup`); clients are made from the group's
+``redis+sentinel://`` URL, as an application would make them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import secrets
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+import pytest
+import redis
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, PermitLost, SemaphoreError
+from aiosem._urls import close, connect
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from aiosem import Permit
+    from tests.topology import SentinelGroup
+
+pytestmark = [pytest.mark.slow, pytest.mark.failover]
+
+Semaphore = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+
+
+async def fail_over(group: SentinelGroup, how: Literal["failover", "kill"]) -> None:
+    await anyio.to_thread.run_sync(group.failover if how == "failover" else group.kill_master)
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll an async predicate until it holds (callers bound the wait); errors count as "not yet"."""
+    while True:
+        with contextlib.suppress(redis.RedisError):
+            if await check():
+                return
+        await asyncio.sleep(0.02)
+
+
+async def equals(step: Callable[[], Awaitable[int]], expected: int) -> bool:
+    return await step() == expected
+
+
+class Users:
+    """Holders and waiters of one semaphore, and how many held at once."""
+
+    def __init__(self, semaphore: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
+        self.semaphore = semaphore
+        self.release = asyncio.Event()
+        self.outcomes: list[str] = []
+        self.in_use = self.peak = 0
+
+    def _enter(self) -> None:
+        self.in_use += 1
+        self.peak = max(self.peak, self.in_use)
+
+    async def hold(self) -> None:
+        """Hold a permit, kept alive, until `release` is set; note whether it was kept or lost."""
+        try:
+            async with self.semaphore:
+                self._enter()
+                try:
+                    await self.release.wait()
+                finally:
+                    self.in_use -= 1
+        except PermitLost:
+            self.outcomes.append("lost")
+        else:
+            self.outcomes.append("held")
+
+    async def wait_and_use(self) -> None:
+        """Wait for a permit (again, if the failover interrupted the wait), use it briefly, give it back."""
+        while True:
+            with contextlib.suppress(redis.RedisError, SemaphoreError):
+                permit = await self.semaphore.acquire(blocking_timeout=60)
+                assert permit is not None
+                break
+            await asyncio.sleep(0.05)
+        self._enter()
+        await asyncio.sleep(0.01)
+        self.in_use -= 1
+        with contextlib.suppress(redis.RedisError):
+            await self.semaphore.release(permit)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["failover", "kill"])
+async def test_holders_and_waiters_come_through_a_failover(
+    sentinel_group: SentinelGroup, cls: Semaphore, how: Literal["failover", "kill"]
+) -> None:
+    client = connect(sentinel_group.url)
+    semaphore = cls(client, f"through-{how}", 2, timeout=6, waiter_timeout=1.5)
+    users = Users(semaphore)
+    try:
+        holders = [asyncio.create_task(users.hold()) for _ in range(2)]
+        with anyio.fail_after(20):
+            await wait_until(functools.partial(equals, semaphore.count, 2))
+        waiters = [asyncio.create_task(users.wait_and_use()) for _ in range(3)]
+        with anyio.fail_after(20):
+            await wait_until(functools.partial(equals, semaphore.waiting, 3))
+        await fail_over(sentinel_group, how)
+        # A whole lease after the failover: the holders' permits were kept
+        # alive on the new master, or their holders were told they lost them.
+        await asyncio.sleep(semaphore.timeout)
+        users.release.set()
+        with anyio.fail_after(30):
+            await asyncio.gather(*holders)
+        assert sorted(users.outcomes) in (["held", "held"], ["held", "lost"], ["lost", "lost"])
+        with anyio.fail_after(90):
+            await asyncio.gather(*waiters)
+        assert users.peak <= 2
+    finally:
+        await semaphore.aclose()
+        await close(client)
+
+
+async def _grant_until_stopped(
+    semaphore: AsyncFairSemaphore | AsyncLockedSemaphore, granted: list[Permit], stop: asyncio.Event
+) -> None:
+    """Take permits one after another, never giving one back; failures during the failover are expected.
+
+    Stopped by an event, not cancelled: redis-py 8 on Python 3.11 can swallow
+    a cancellation that lands as a command completes (``asyncio.wait_for``),
+    and a loop whose cancellation was swallowed would never end.
+    """
+    while not stop.is_set():
+        try:
+            permit = await semaphore.acquire(blocking=False)
+        except (redis.RedisError, SemaphoreError):
+            await asyncio.sleep(0.01)
+            continue
+        if permit is not None:
+            granted.append(permit)
+
+
+async def count_forgotten(group: SentinelGroup, cls: Semaphore, *, replicas: int, rounds: int) -> tuple[int, int]:
+    """Fail over ``rounds`` times while permits are granted; how many granted permits the new master lacks, of all."""
+    client = connect(group.url)
+    forgotten = total = 0
+    try:
+        for _ in range(rounds):
+            # A lease far longer than the round: a permit missing afterwards was forgotten, not expired.
+            semaphore = cls(client, f"forgetful-{secrets.token_hex(4)}", 1_000_000, timeout=300, replicas=replicas)
+            granted: list[Permit] = []
+            stop = asyncio.Event()
+            granting = asyncio.create_task(_grant_until_stopped(semaphore, granted, stop))
+            with anyio.fail_after(20):
+                await wait_until(functools.partial(at_least, granted, 20))
+            await fail_over(group, "failover")
+            with anyio.fail_after(20):
+                await wait_until(functools.partial(at_least, granted, len(granted) + 20))
+            stop.set()
+            with anyio.fail_after(30):
+                await granting
+            held = await semaphore.holders()
+            forgotten += sum(permit.identifier not in held for permit in granted)
+            total += len(granted)
+            await semaphore.aclose()
+    finally:
+        await close(client)
+    return forgotten, total
+
+
+async def at_least(granted: list[Permit], count: int) -> bool:
+    await asyncio.sleep(0)
+    return len(granted) >= count
+
+
+@pytest.mark.timeout(600)
+async def test_with_replicas_1_no_permit_granted_before_a_failover_is_forgotten(sentinel_group: SentinelGroup) -> None:
+    forgotten, total = await count_forgotten(sentinel_group, AsyncFairSemaphore, replicas=1, rounds=20)
+    # The figure for the record (`pytest -s`); without the option: `benchmarks/bench_failover.py`.
+    print(f"replicas=1: {forgotten} of {total} permits forgotten over 20 failovers")  # noqa: T201
+    assert total >= 20 * 40
+    assert forgotten == 0
