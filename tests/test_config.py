@@ -301,7 +301,7 @@ async def test_memory_chosen_on_purpose_is_never_refused(monkeypatch: pytest.Mon
 def test_each_event_loop_gets_its_own_client_closed_with_the_loop(redis_server: RedisServer) -> None:
     aiosem.configure(url=redis_server.url)
     before = connections(redis_server)
-    clients: list[redis.asyncio.Redis] = []
+    clients: list[redis.asyncio.Redis | redis.asyncio.RedisCluster] = []
 
     async def use() -> None:
         async with limiter("api", 1):
