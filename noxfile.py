@@ -42,9 +42,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput, hand-off latency, fairness, crash reclaim, idle and refresh cost, rate accuracy, each in one run."""
+    """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover: each in one run."""
     session.install("-e", ".")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
     session.run("python", "benchmarks/bench_holding.py", "--json", "benchmarks/results/holding.json")
     session.run("python", "benchmarks/bench_rate.py", "--json", "benchmarks/results/rate.json")
+    session.run("python", "benchmarks/bench_failover.py", "--json", "benchmarks/results/failover.json")

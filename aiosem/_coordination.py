@@ -330,7 +330,8 @@ class Subscriber:
             # Not asked for (those leave `_ready` first): the slot moved to
             # another node, whose subscriber takes the channel over. redis-py
             # forgets it only once it has unsubscribed it itself.
-            await self._pubsub.sunsubscribe(channel)
+            async with self._sending:
+                await self._pubsub.sunsubscribe(channel)
             self._drop([channel])
 
     def _drop(self, channels: Sequence[str]) -> None:
