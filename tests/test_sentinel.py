@@ -85,6 +85,29 @@ class Users:
             await self.semaphore.release(permit)
 
 
+async def test_a_client_made_by_sentinel_itself_serves_a_semaphore_across_a_failover(
+    sentinel_group: SentinelGroup, cls: Semaphore
+) -> None:
+    client = sentinel_group.client()  # Sentinel(...).master_for(...), as an application may make it
+    semaphore = cls(client, "made-by-sentinel", 1)
+    try:
+        async with semaphore as permit:
+            assert await semaphore.count() == 1
+        await fail_over(sentinel_group, "failover")
+        with anyio.fail_after(20):
+            while True:
+                with contextlib.suppress(redis.ConnectionError):
+                    again = await semaphore.acquire(blocking=False)
+                    break
+                await asyncio.sleep(0.05)
+        assert again is not None
+        assert again.fencing_token > permit.fencing_token  # the counter came through the failover
+        assert await semaphore.release(again)
+    finally:
+        await semaphore.aclose()
+        await client.aclose()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["failover", "kill"])
 async def test_holders_and_waiters_come_through_a_failover(
