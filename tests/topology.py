@@ -780,6 +780,15 @@ class SentinelGroup:
         ]
         if [int(value["port"]) for value in online] != [replica.port]:
             return f"port {master.port} lists online replicas {online}"
+        # Online is not yet streaming: after a diskless sync the master holds
+        # new writes back until the replica's first REPLCONF ACK, up to a
+        # second later, and a master killed meanwhile takes them with it.
+        # A write the replica acknowledged proves the stream flows.
+        admin = self._admin(master.port)
+        admin.set("topology:replicated", "1")
+        acknowledged = int(_execute(admin, "WAIT", 1, 100))
+        if acknowledged < 1:
+            return f"port {replica.port} has not acknowledged a write yet"
         return None
 
     def _sentinel_lag(self, master: RedisServer, replica: RedisServer) -> str | None:
