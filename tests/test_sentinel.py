@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from tests.topology import SentinelGroup
 
-pytestmark = [pytest.mark.slow, pytest.mark.failover]
+pytestmark = pytest.mark.slow
 
 Semaphore = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
@@ -139,6 +139,7 @@ async def test_holders_and_waiters_come_through_a_failover(
         await close(client)
 
 
+@pytest.mark.failover
 @pytest.mark.timeout(600)
 async def test_with_replicas_1_no_permit_granted_before_a_failover_is_forgotten(sentinel_group: SentinelGroup) -> None:
     result = await count_forgotten(sentinel_group, AsyncFairSemaphore, replicas=1, rounds=20)
