@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("aiosem")
 
 R = TypeVar("R")
+P = TypeVar("P", bound="_PerLoop")
 
 #: How long a new subscription may take to be confirmed.
 _SUBSCRIBE_TIMEOUT: Final = 5.0
@@ -148,7 +149,33 @@ _CLASSIC: Final = _Kinds("subscribe", "unsubscribe", "message")
 _SHARDED: Final = _Kinds("ssubscribe", "sunsubscribe", "smessage")
 
 
-class Subscriber:
+class _PerLoop:
+    """One instance per client and event loop, made on first use: a client's connections belong to one loop."""
+
+    __slots__ = ()
+
+    _registry: ClassVar[weakref.WeakKeyDictionary[Any, Any]]
+    _loop: asyncio.AbstractEventLoop
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls._registry = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls: type[P], client: Any) -> P:
+        """The instance serving ``client`` in the running event loop."""
+        instance: P | None = cls._registry.get(client)
+        if instance is None or instance.loop is not asyncio.get_running_loop():
+            instance = cls._registry[client] = cls(client)  # type: ignore[call-arg]
+        return instance
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this instance serves."""
+        return self._loop
+
+
+class Subscriber(_PerLoop):
     """One pub/sub connection of a client, shared by every semaphore of the process.
 
     Each semaphore subscribes its own channel with a handler, which is held
@@ -178,8 +205,6 @@ class Subscriber:
         "_subscribing",
     )
 
-    _registry: ClassVar[weakref.WeakKeyDictionary[Any, Subscriber]] = weakref.WeakKeyDictionary()
-
     def __init__(self, client: Redis, on_dropped: Callable[[dict[str, Handler]], None] | None = None) -> None:
         self._client = client
         self._pubsub: PubSub = client.pubsub()
@@ -195,23 +220,10 @@ class Subscriber:
         # connection nobody reads. One command at a time.
         self._sending = asyncio.Lock()
 
-    @classmethod
-    def of(cls, client: Redis) -> Subscriber:
-        """The subscriber of ``client`` (not a cluster client) in the running event loop."""
-        subscriber = cls._registry.get(client)
-        if subscriber is None or subscriber.loop is not asyncio.get_running_loop():
-            subscriber = cls._registry[client] = cls(client)
-        return subscriber
-
     @property
     def channels(self) -> int:
         """How many channels are subscribed, or being subscribed."""
         return len(self._handlers)
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop this subscriber serves."""
-        return self._loop
 
     async def subscribe(self, channel: str, handler: Callable[[str], None] | Handler) -> None:
         """Deliver the messages of ``channel`` to ``handler`` from now on.
@@ -361,7 +373,7 @@ class Subscriber:
             await getattr(self._pubsub, self._kinds.unsubscribe)(channel)
 
 
-class ShardedSubscriber:
+class ShardedSubscriber(_PerLoop):
     """The subscriptions of a cluster client: each channel by sharded pub/sub on its slot's node.
 
     One `Subscriber` per node, on a connection of its own. A channel whose
@@ -374,8 +386,6 @@ class ShardedSubscriber:
 
     __slots__ = ("__weakref__", "_client", "_loop", "_nodes", "_resubscribing", "_wanted")
 
-    _registry: ClassVar[weakref.WeakKeyDictionary[Any, ShardedSubscriber]] = weakref.WeakKeyDictionary()
-
     def __init__(self, client: RedisCluster) -> None:
         self._client = client
         self._loop = asyncio.get_running_loop()
@@ -384,19 +394,6 @@ class ShardedSubscriber:
         #: Every channel subscribed, or to subscribe again, with its handler.
         self._wanted: dict[str, Handler] = {}
         self._resubscribing: set[asyncio.Task[None]] = set()
-
-    @classmethod
-    def of(cls, client: RedisCluster) -> ShardedSubscriber:
-        """The subscriber of cluster ``client`` in the running event loop."""
-        subscriber = cls._registry.get(client)
-        if subscriber is None or subscriber.loop is not asyncio.get_running_loop():
-            subscriber = cls._registry[client] = cls(client)
-        return subscriber
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop this subscriber serves."""
-        return self._loop
 
     async def subscribe(self, channel: str, handler: Callable[[str], None]) -> None:
         """Deliver the messages of ``channel`` to ``handler`` from now on, from the node of its slot.

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import redis
 import redis.asyncio
 
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
     from pathlib import Path
+
+    from aiosem._connection import Client
+
+Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 
 #: How long a server may take to answer its first PING.
 _START_TIMEOUT = 10.0
@@ -139,3 +149,33 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@contextlib.asynccontextmanager
+async def two_processes(
+    connect: Callable[[], Client],
+    cls: type[AsyncFairSemaphore] | type[AsyncLockedSemaphore],
+    name: str,
+    limit: int,
+    **options: Any,
+) -> AsyncIterator[tuple[Semaphore, Semaphore]]:
+    """Two objects of one semaphore, each on a client of its own, as two processes would have them.
+
+    Both objects and both clients are closed when the block ends.
+    """
+    clients = [connect(), connect()]
+    first, second = (cls(client, name, limit, **options) for client in clients)
+    try:
+        yield first, second
+    finally:
+        for semaphore in (first, second):
+            await semaphore.aclose()
+        for client in clients:
+            await client.aclose()
+
+
+async def until_queued(semaphore: Semaphore, count: int = 1) -> None:
+    """Wait until Redis lists ``count`` waiters of ``semaphore`` (bounded to 5 s)."""
+    with anyio.fail_after(5):
+        while await semaphore.waiting() < count:  # noqa: ASYNC110 -- a bounded poll of Redis's own state
+            await asyncio.sleep(0.01)

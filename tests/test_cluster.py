@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter
 from aiosem._keys import SemaphoreKeys
 from aiosem._scripts import FAIR_ACQUIRE
+from tests.support import two_processes, until_queued
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
@@ -67,29 +68,19 @@ async def test_semaphores_spread_over_every_node_and_each_works(
 async def test_a_waiter_of_another_client_is_woken_by_sharded_pub_sub(
     redis_cluster: RedisClusterGroup, cls: Semaphore
 ) -> None:
-    name = unique("wake")
-    holder_client, waiter_client = redis_cluster.client(), redis_cluster.client()
     # Re-checks every 20 s at the earliest, and a lease of a minute: a waiter
     # that gets the permit within 5 s was woken by the grant's message.
-    holder = cls(holder_client, name, 1, timeout=60, waiter_timeout=60)
-    waiter = cls(waiter_client, name, 1, timeout=60, waiter_timeout=60)
-    try:
+    async with two_processes(redis_cluster.client, cls, unique("wake"), 1, timeout=60, waiter_timeout=60) as pair:
+        holder, waiter = pair
         permit = await holder.acquire()
         assert permit is not None
         waiting = asyncio.create_task(waiter.acquire(blocking_timeout=30))
-        with anyio.fail_after(5):
-            while await holder.waiting() == 0:  # noqa: ASYNC110 -- a bounded poll of Redis's own state
-                await asyncio.sleep(0.01)
+        await until_queued(holder)
         await holder.release(permit)
         with anyio.fail_after(5):
             handed = await waiting
         assert handed is not None
         assert await waiter.release(handed)
-    finally:
-        for semaphore in (holder, waiter):
-            await semaphore.aclose()
-        await holder_client.aclose()
-        await waiter_client.aclose()
 
 
 async def test_a_semaphore_keeps_working_while_its_slot_moves_to_another_node(
@@ -97,15 +88,10 @@ async def test_a_semaphore_keeps_working_while_its_slot_moves_to_another_node(
 ) -> None:
     name = unique("moving")
     slot = slot_of(name)
-    clients = [redis_cluster.client(), redis_cluster.client()]
-    holder = cls(clients[0], name, 1, timeout=6, waiter_timeout=1.5)
-    waiter = cls(clients[1], name, 1, timeout=6, waiter_timeout=1.5)
-    try:
+    async with two_processes(redis_cluster.client, cls, name, 1, timeout=6, waiter_timeout=1.5) as (holder, waiter):
         async with holder as permit:
             waiting = asyncio.create_task(waiter.acquire(blocking_timeout=30))
-            with anyio.fail_after(5):
-                while await holder.waiting() == 0:  # noqa: ASYNC110 -- a bounded poll of Redis's own state
-                    await asyncio.sleep(0.01)
+            await until_queued(holder)
             target = another_node(redis_cluster, slot)
             await anyio.to_thread.run_sync(redis_cluster.move_slot, slot, target)
             assert redis_cluster.node_for_slot(slot) is target
@@ -121,11 +107,6 @@ async def test_a_semaphore_keeps_working_while_its_slot_moves_to_another_node(
         assert handed.fencing_token > permit.fencing_token
         assert await waiter.release(handed)
         assert await waiter.count() == 0
-    finally:
-        for semaphore in (holder, waiter):
-            await semaphore.aclose()
-        for client in clients:
-            await client.aclose()
 
 
 async def test_a_step_sent_while_the_slot_is_half_moved_completes_once_it_settles(

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, NotReplicated
-from tests.support import RedisServer
+from tests.support import RedisServer, two_processes, until_queued
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -73,26 +73,17 @@ async def test_a_permit_is_on_the_replica_when_acquire_returns(
 async def test_a_permit_handed_over_is_on_the_replica_when_the_waiter_returns(
     fresh_redis_server: RedisServer, replica: redis.asyncio.Redis, cls: Semaphore
 ) -> None:
-    clients = [fresh_redis_server.client(), fresh_redis_server.client()]
-    holder, waiter = (cls(client, "db", 1, replicas=1) for client in clients)
-    try:
+    async with two_processes(fresh_redis_server.client, cls, "db", 1, replicas=1) as (holder, waiter):
         permit = await holder.acquire()
         assert permit is not None
         waiting = asyncio.create_task(waiter.acquire(blocking_timeout=20))
-        with anyio.fail_after(5):
-            while await holder.waiting() == 0:  # noqa: ASYNC110 -- a bounded poll of Redis's own state
-                await asyncio.sleep(0.01)
+        await until_queued(holder)
         assert await holder.release(permit)
         with anyio.fail_after(10):
             handed = await waiting
         assert handed is not None
         assert await replica.zscore(f"{handed.key}:owner", handed.identifier) == handed.fencing_token
         assert await waiter.release(handed)
-    finally:
-        for semaphore in (holder, waiter):
-            await semaphore.aclose()
-        for client in clients:
-            await client.aclose()
 
 
 async def test_without_the_replicas_an_acquire_raises_and_takes_nothing(
