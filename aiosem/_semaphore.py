@@ -558,7 +558,7 @@ class _Semaphore(ABC):
             return
         try:
             await subscriber_of(self._client).subscribe(self._keys.channels + self._process, self._on_message)
-        except (TimeoutError, redis.RedisError):
+        except (TimeoutError, redis.RedisError, redis.exceptions.RedisClusterException):
             if not self._subscribed:
                 # Waiters still get their permits, from the pump's re-checks.
                 logger.warning("could not subscribe for %r; waiters will be slower to wake", self, exc_info=True)
