@@ -8,13 +8,15 @@ import textwrap
 from typing import TYPE_CHECKING
 
 import pytest
+import redis
+import redis.asyncio
 from redis.exceptions import NoPermissionError
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, recipes
+from aiosem._keys import SemaphoreKeys
+from aiosem._scripts import FAIR_ACQUIRE
 
 if TYPE_CHECKING:
-    import redis.asyncio
-
     from tests.support import RedisServer
 
 
@@ -91,3 +93,18 @@ def test_the_locked_semaphore_works_on_fakeredis_without_lupa() -> None:
     completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True)
     assert "locked: ok 0" in completed.stdout
     assert "fair: " in completed.stdout
+
+
+async def test_a_script_wakes_processes_only_by_publish_or_spublish_and_refuses_before_writing(
+    real_client: redis.asyncio.Redis,
+) -> None:
+    keys = SemaphoreKeys.for_name("aiosem", "guarded")
+    # A permit whose lease ran out long ago: any step would reap it first.
+    await real_client.zadd(keys.timeout_set, {"expired": 1})
+    await real_client.zadd(keys.owner_set, {"expired": 1})
+    # now, lease, limit, waiter TTL, caller, channels, how to wake, mode, identifier
+    args = ["", "10", "1", "2", "", keys.channels, "DEL", "try", "someone"]
+    with pytest.raises(redis.ResponseError, match=r"ARGV\[7\] must be PUBLISH or SPUBLISH"):
+        await FAIR_ACQUIRE.run(real_client, keys.fair, args)
+    assert await real_client.zrange(keys.timeout_set, 0, -1) == [b"expired"]
+    await real_client.delete(*keys.fair)

@@ -219,6 +219,11 @@ local function aiosem_run(operation, hand_off_first)
     mode = ARGV[8],
     waiters_written = false,
   }
+  -- Checked before anything is written: a script refused half-way would leave
+  -- its writes behind.
+  if state.publish ~= 'PUBLISH' and state.publish ~= 'SPUBLISH' then
+    return redis.error_reply('ERR aiosem: ARGV[7] must be PUBLISH or SPUBLISH')
+  end
   state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
   state.queued = aiosem_reap_waiters(state.now)
   local granted = {}
@@ -234,9 +239,6 @@ local function aiosem_run(operation, hand_off_first)
     hand_off()
   end
   local identifiers = {}
-  if state.publish ~= 'PUBLISH' and state.publish ~= 'SPUBLISH' then
-    return redis.error_reply('ERR aiosem: ARGV[7] must be PUBLISH or SPUBLISH')
-  end
   for i = 9, #ARGV do
     identifiers[#identifiers + 1] = ARGV[i]
   end
