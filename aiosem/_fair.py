@@ -148,6 +148,6 @@ class AsyncFairSemaphore(_Semaphore):
             waiter_ttl=self._waiter_ttl,
             caller=self._process,
             mode=mode,
-            replicas=self._replicas if operation != "release" and mode != "count" else 0,
+            replicas=self._replicas_for(operation, mode),
             replication_timeout=self._waiter_ttl,
         )

@@ -231,7 +231,7 @@ class AsyncLockedSemaphore(_Semaphore):
     ) -> tuple[Any, Reply]:
         """Write what ``plan`` decided and free the lock, in one transaction: EXEC's reply, and the step's."""
         commit: list[Command] = [("MULTI",), *plan.writes, ("DEL", self._keys.lock), ("EXEC",)]
-        replicas = self._replicas if operation != "release" and mode != "count" else 0
+        replicas = self._replicas_for(operation, mode)
         if replicas:
             # On the connection that wrote: WAIT counts its writes.
             commit.append(("WAIT", replicas, max(1, math.ceil(self._waiter_ttl * 1000))))

@@ -306,6 +306,10 @@ class _Semaphore(ABC):
     async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
         """Carry out one step atomically; ``None`` if it could not run now and should be retried."""
 
+    def _replicas_for(self, operation: Operation, mode: str) -> int:
+        """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
+        return self._replicas if operation != "release" and mode != "count" else 0
+
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
