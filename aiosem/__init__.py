@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 
 from ._config import aclose as aclose
 from ._config import configure as configure
+from ._decorators import current_permit as current_permit
 from ._decorators import limit_concurrency as limit_concurrency
 from ._decorators import limit_rate as limit_rate
 from ._decorators import limiter as limiter
@@ -22,6 +23,9 @@ from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore as AsyncLockedSemaphore
+from ._observing import LimiterEvent as LimiterEvent
+from ._observing import add_observer as add_observer
+from ._observing import remove_observer as remove_observer
 from ._rate import AsyncRateLimiter as AsyncRateLimiter
 from ._semaphore import Permit as Permit
 from ._semaphore import SemaphoreStatistics as SemaphoreStatistics
@@ -32,6 +36,7 @@ __all__ = [
     "AsyncLockedSemaphore",
     "AsyncRateLimiter",
     "LimitMismatch",
+    "LimiterEvent",
     "NotReplicated",
     "Permit",
     "PermitLost",
@@ -39,11 +44,14 @@ __all__ = [
     "SemaphoreStatistics",
     "__version__",
     "aclose",
+    "add_observer",
     "configure",
+    "current_permit",
     "limit_concurrency",
     "limit_rate",
     "limiter",
     "rate_limiter",
+    "remove_observer",
 ]
 
 __version__ = _version("aiosem")

@@ -174,3 +174,46 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
     finally:
         with anyio.CancelScope(shield=True):
             await give_back()
+
+
+#: How often a read-only transaction follows a moving slot before it gives up.
+MOST_REDIRECTS: Final = 20
+
+
+async def transaction(client: Client, key: str, *commands: Command) -> list[Any]:
+    """Run ``commands`` in one MULTI/EXEC on the node that serves ``key``; return their replies.
+
+    A transaction turned away because its slot moved or is moving did
+    nothing, and is tried again on the slot's owner (at most
+    `MOST_REDIRECTS` times). A pooled connection the server closed meanwhile
+    -- it restarted, say -- fails its first use; as redis-py's own commands
+    do, the transaction is tried once more on a new one.
+
+    Raises:
+        redis.RedisError: Redis failed or could not be reached.
+    """
+    attempt = 0
+    while True:
+        try:
+            async with pinned_connection(client, key) as connection:
+                *_, replies = await connection.batch(("MULTI",), *commands, ("EXEC",))
+            return list(replies)
+        except REDIRECTS as error:
+            if attempt >= MOST_REDIRECTS:
+                raise
+            await reroute(client, error, attempt)
+        except redis.ConnectionError:
+            if attempt:
+                raise
+        attempt += 1
+
+
+def scored(reply: Any) -> list[tuple[str, float]]:
+    """The members and scores of a ZRANGE WITHSCORES reply: flat in RESP2, in pairs in RESP3."""
+    pairs = reply if reply and isinstance(reply[0], list) else zip(reply[::2], reply[1::2], strict=True)
+    return [(text(member), float(score)) for member, score in pairs]
+
+
+def text(value: Any) -> str:
+    """A reply's member or channel as a str, whether or not the client decodes replies."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -22,7 +22,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 
-from ._connection import REDIRECTS, reroute
+from ._connection import REDIRECTS, reroute, text
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -489,8 +489,3 @@ def raise_if_cancel_swallowed(task: asyncio.Task[Any] | None) -> None:
     cancelling = getattr(task, "cancelling", None)
     if cancelling is not None and cancelling():
         raise asyncio.CancelledError
-
-
-def text(value: Any) -> str:
-    """A reply's member or channel as a str, whether or not the client decodes replies."""
-    return value.decode() if isinstance(value, bytes) else str(value)

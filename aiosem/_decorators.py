@@ -42,6 +42,7 @@ from ._config import (
     semaphore_options,
 )
 from ._exceptions import AcquireTimeout, PermitLost
+from ._observing import log_fields
 from ._validation import check_name
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from ._connection import Client
     from ._semaphore import Permit
 
-__all__ = ["limit_concurrency", "limit_rate", "limiter", "rate_limiter"]
+__all__ = ["current_permit", "limit_concurrency", "limit_rate", "limiter", "rate_limiter"]
 
 logger = logging.getLogger("aiosem")
 
@@ -64,8 +65,9 @@ S = TypeVar("S")
 
 
 #: The limiters the current task is inside, innermost last, each with the
-#: cached object it entered. Tasks sharing one limiter never see each other's.
-_entered: ContextVar[tuple[tuple[_Limiter, Entry[Semaphore]], ...]] = ContextVar("aiosem_limiters", default=())
+#: cached object it entered and its permit. Tasks sharing one limiter never
+#: see each other's.
+_entered: ContextVar[tuple[tuple[_Limiter, Entry[Semaphore], Permit], ...]] = ContextVar("aiosem_limiters", default=())
 
 
 class _Limiter:
@@ -87,7 +89,7 @@ class _Limiter:
         except BaseException:
             entry.state.checkin(entry)
             raise
-        _entered.set((*_entered.get(), (self, entry)))
+        _entered.set((*_entered.get(), (self, entry, permit)))
         return permit
 
     async def __aexit__(
@@ -100,12 +102,43 @@ class _Limiter:
         index = next((i for i in reversed(range(len(entered))) if entered[i][0] is self), None)
         if index is None:
             raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        entry = entered[index][1]
+        _, entry, _ = entered[index]
         _entered.set(entered[:index] + entered[index + 1 :])
         try:
             await entry.cached.__aexit__(exc_type, exc, traceback)
         finally:
             entry.state.checkin(entry)
+
+
+def current_permit(name: str | None = None) -> Permit:
+    """Return the permit the current task holds through a limiter or a decorated call.
+
+    A function decorated with `limit_concurrency` does not see its permit;
+    this is how it gets it -- for its fencing token, say:
+
+        @aiosem.limit_concurrency("db", 3)
+        async def write(row: int, value: str) -> None:
+            token = aiosem.current_permit().fencing_token
+            await db.execute("UPDATE t SET v = $2, fence = $3 WHERE id = $1 AND fence <= $3", row, value, token)
+
+    Args:
+        name: The semaphore's name (for a per-key decorator, the name of
+            this call); ``None``: the innermost block the task is in.
+
+    Returns:
+        The permit of the innermost matching `limiter` block or call of a
+        coroutine function decorated with `limit_concurrency`, in the
+        current task. (An async generator's permit is not the current
+        task's: each ``__anext__`` may come from another task.)
+
+    Raises:
+        LookupError: The current task holds no such permit.
+    """
+    for held, _, permit in reversed(_entered.get()):
+        if name is None or held._name == name:  # noqa: SLF001 -- _Limiter is this module's
+            return permit
+    what = "a limiter" if name is None else f"a limiter named {name!r}"
+    raise LookupError(f"the current task is not inside {what} or a call decorated with limit_concurrency")
 
 
 def limiter(
@@ -271,7 +304,12 @@ class _GeneratorHold:
             return
         if exc is None:
             raise lost
-        logger.warning("%s was lost before its generator ended with %s", permit, exc_type.__name__ if exc_type else exc)
+        logger.warning(
+            "%s was lost before its generator ended with %s",
+            permit,
+            exc_type.__name__ if exc_type else exc,
+            extra=log_fields(permit.name, permit.identifier),
+        )
 
 
 class _RateLimiter:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._connection import Client, publish_command
-from ._coordination import text
+from ._connection import Client, publish_command, text
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import Operation, Reply, _Semaphore
 

@@ -20,6 +20,7 @@ import anyio
 
 from ._coordination import raise_if_cancel_swallowed
 from ._exceptions import PermitLost
+from ._observing import emit_permit, log_fields
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,15 +82,19 @@ class Hold:
         """Mark the permit lost and tell its holder: cancel its body, or call back."""
         if self.lost is not None:
             return
-        self.lost = PermitLost(name=self.permit.name, identifier=self.permit.identifier)
-        logger.warning("%s: %s", self.lost, reason)
+        permit = self.permit
+        self.lost = PermitLost(name=permit.name, identifier=permit.identifier)
+        logger.warning("%s: %s", self.lost, reason, extra=log_fields(permit.name, permit.identifier))
+        emit_permit("lost", permit)
         if self.scope is not None:
             self.scope.cancel()
         if self.on_lost is not None:
             try:
                 self.on_lost(self.lost)
             except Exception:
-                logger.exception("the on_lost callback of %s raised", self.permit)
+                logger.exception(
+                    "the on_lost callback of %s raised", permit, extra=log_fields(permit.name, permit.identifier)
+                )
 
 
 class Refreshable(Protocol):

@@ -14,6 +14,7 @@ import anyio
 
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
 from ._coordination import Lane, Submission
+from ._observing import log_fields
 from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
 from ._validation import check_timeout
 
@@ -267,7 +268,12 @@ class AsyncLockedSemaphore(_Semaphore):
                     else:
                         await connection.batch(("UNWATCH",))
             except Exception:
-                logger.warning("could not free the lock of %r; it expires by itself", self, exc_info=True)
+                logger.warning(
+                    "could not free the lock of %r; it expires by itself",
+                    self,
+                    exc_info=True,
+                    extra=log_fields(self._name),
+                )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Final
 
 import anyio
 
 from ._exceptions import AcquireTimeout
 from ._keys import SemaphoreKeys, check_prefix
+from ._observing import emit, log_fields
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
 from ._validation import check_burst, check_name, check_positive, check_wait
@@ -168,24 +170,33 @@ class AsyncRateLimiter:
             reservation is on its way to Redis may leave that slot unused.
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
+        started = time.monotonic()
         if not blocking:
             granted, _, _ = await self._run("try", "")
-            return granted
-        longest = "" if wait is None else str(math.floor(wait * _MICROSECONDS))
-        granted, delay, tat = await self._run("reserve", longest)
-        if not granted:
-            return False
-        if delay > 0:
-            try:
-                await anyio.sleep(delay)
-            except BaseException:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
-                    try:
-                        await self._run("return", str(tat))
-                    except Exception:
-                        logger.warning("could not give back the slot of a cancelled wait on %r", self, exc_info=True)
-                raise
-        return True
+        else:
+            longest = "" if wait is None else str(math.floor(wait * _MICROSECONDS))
+            granted, delay, tat = await self._run("reserve", longest)
+            if granted and delay > 0:
+                await self._sleep_until_slot(delay, tat)
+        emit("acquired" if granted else "timed_out", "rate", self._name, time.monotonic() - started)
+        return granted
+
+    async def _sleep_until_slot(self, delay: float, tat: int) -> None:
+        """Sleep until the reserved slot comes; give it back if cancelled meanwhile."""
+        try:
+            await anyio.sleep(delay)
+        except BaseException:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
+                try:
+                    await self._run("return", str(tat))
+                except Exception:
+                    logger.warning(
+                        "could not give back the slot of a cancelled wait on %r",
+                        self,
+                        exc_info=True,
+                        extra=log_fields(self._name),
+                    )
+            raise
 
     async def try_acquire(self) -> bool:
         """Take a slot if one is free now, without waiting; the same as ``acquire(blocking=False)``."""

@@ -20,20 +20,23 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import secrets
+import time
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 import anyio
 import redis
 
-from ._connection import REDIRECTS, Client, check_cluster_support, pinned_connection, reroute
-from ._coordination import Lane, Submission, raise_if_cancel_swallowed, subscriber_of, text
+from ._connection import REDIRECTS, Client, check_cluster_support, reroute, scored, text, transaction
+from ._coordination import Lane, Submission, raise_if_cancel_swallowed, subscriber_of
 from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
+from ._observing import emit, emit_permit, log_fields
 from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_replicas, check_timeout, check_wait
 
@@ -67,8 +70,6 @@ _RETRY_PAUSE: Final = 0.05
 LIMIT_MISMATCH: Final = -3
 #: The least time a step is given before it is presumed stalled (at least a lease).
 _SHORTEST_STEP_BOUND: Final = 5.0
-#: How often a read-only look follows a moving slot before it gives up.
-_MOST_REDIRECTS: Final = 20
 
 
 class _Default(enum.Enum):
@@ -98,12 +99,15 @@ class Permit:
             token orders grants but does not prove which are still live.
         key: The Redis key the semaphore is stored under; a permit is only
             accepted by a semaphore with the same key.
+        acquired_at: `time.monotonic` when this process got the permit
+            (NaN for a permit made by hand), for measuring how long it is held.
     """
 
     name: str
     identifier: str
     fencing_token: int
     key: str
+    acquired_at: float = field(default=math.nan, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,7 +497,12 @@ class _Semaphore(ABC):
                     self._claims |= claims & self._claiming
                     self._claiming -= claims
                     if failures == 1:
-                        logger.warning("re-checking the waiters of %r failed; retrying", self, exc_info=True)
+                        logger.warning(
+                            "re-checking the waiters of %r failed; retrying",
+                            self,
+                            exc_info=True,
+                            extra=log_fields(self._name),
+                        )
                     await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
                     continue
                 failures = 0
@@ -527,7 +536,12 @@ class _Semaphore(ABC):
 
     async def _requeue(self, dropped: Sequence[str]) -> None:
         """Queue again, last, waiters the queue forgot (presumed dead: this process did not answer in time)."""
-        logger.warning("%d waiter(s) of %r lost their place in the queue; queueing again", len(dropped), self)
+        logger.warning(
+            "%d waiter(s) of %r lost their place in the queue; queueing again",
+            len(dropped),
+            self,
+            extra=log_fields(self._name),
+        )
         sent = asyncio.get_running_loop().time()
         requeued, _ = await self._submit("acquire", "wait", dropped)
         abandoned = []
@@ -552,7 +566,11 @@ class _Semaphore(ABC):
     def _lost_before_claim(self, identifier: str) -> None:
         hold = self._holds.get(identifier)
         if hold is None:
-            logger.warning("a permit of %r handed to this process was lost before it was claimed", self)
+            logger.warning(
+                "a permit of %r handed to this process was lost before it was claimed",
+                self,
+                extra=log_fields(self._name),
+            )
         else:
             self._drop_hold(hold)
             hold.lose("it was handed over by another process and lost before it was claimed")
@@ -565,7 +583,12 @@ class _Semaphore(ABC):
         except (TimeoutError, redis.RedisError, redis.exceptions.RedisClusterException):
             if not self._subscribed:
                 # Waiters still get their permits, from the pump's re-checks.
-                logger.warning("could not subscribe for %r; waiters will be slower to wake", self, exc_info=True)
+                logger.warning(
+                    "could not subscribe for %r; waiters will be slower to wake",
+                    self,
+                    exc_info=True,
+                    extra=log_fields(self._name),
+                )
         self._subscribed = True
 
     # --- the interface ---------------------------------------------------------
@@ -662,6 +685,24 @@ class _Semaphore(ABC):
         if not blocking:
             wait = 0.0
         self._bind()
+        started = time.monotonic()
+        taken = await self._wait_for_permit(wait)
+        if taken is None:
+            emit("timed_out", "semaphore", self._name, time.monotonic() - started)
+            return None
+        permit, *_ = taken
+        emit(
+            "acquired",
+            "semaphore",
+            self._name,
+            permit.acquired_at - started,
+            identifier=permit.identifier,
+            fencing_token=permit.fencing_token,
+        )
+        return taken
+
+    async def _wait_for_permit(self, wait: float | None) -> tuple[Permit, float, float] | None:
+        """`_take`, once its arguments are checked."""
         loop = asyncio.get_running_loop()
         identifier = f"{self._process}.{secrets.token_hex(8)}"
         submission = Submission((identifier,))
@@ -704,7 +745,7 @@ class _Semaphore(ABC):
             self._confirmed.pop(identifier, None)
             self._forget(identifier)
         if value > 0:
-            return Permit(self._name, identifier, value, self._keys.base), *confirmed
+            return Permit(self._name, identifier, value, self._keys.base, time.monotonic()), *confirmed
         if value == LIMIT_MISMATCH:
             # Neither granted nor queued: nothing to give up.
             stored = await self._client.get(self._keys.limit)
@@ -721,7 +762,12 @@ class _Semaphore(ABC):
             try:
                 await self._submit("release", "cancel", identifiers)
             except Exception:
-                logger.warning("could not give back what an interrupted acquire of %r took", self, exc_info=True)
+                logger.warning(
+                    "could not give back what an interrupted acquire of %r took",
+                    self,
+                    exc_info=True,
+                    extra=log_fields(self._name),
+                )
 
     async def release(self, permit: Permit) -> bool:
         """Give a permit back; the longest waiter, if any, gets it in the same step.
@@ -748,6 +794,10 @@ class _Semaphore(ABC):
         if hold is not None:
             self._drop_hold(hold)
         (released,), _ = await self._submit("release", "release", (permit.identifier,))
+        if released == 1:
+            emit_permit("released", permit)
+        elif hold is not None:
+            hold.lose("the release found it gone")
         return released == 1
 
     async def refresh(self, permit: Permit) -> bool:
@@ -829,7 +879,12 @@ class _Semaphore(ABC):
             except Exception:
                 self._refresh_failures += 1
                 if self._refresh_failures == 1:
-                    logger.warning("refreshing the permits held through %r failed; retrying", self, exc_info=True)
+                    logger.warning(
+                        "refreshing the permits held through %r failed; retrying",
+                        self,
+                        exc_info=True,
+                        extra=log_fields(self._name),
+                    )
         now = loop.time()
         for index, hold in enumerate(holds):
             if self._holds.get(hold.permit.identifier) is not hold:
@@ -886,7 +941,9 @@ class _Semaphore(ABC):
                 self._subscribed = False
                 await subscriber_of(self._client).unsubscribe(self._keys.channels + self._process)
             if holds:
-                await self._submit("release", "release", [hold.permit.identifier for hold in holds])
+                released, _ = await self._submit("release", "release", [hold.permit.identifier for hold in holds])
+                for hold, value in zip(holds, released, strict=True):
+                    emit_permit("released" if value == 1 else "lost", hold.permit)
 
     async def count(self) -> int:
         """Return how many permits are held now, in all processes.
@@ -922,37 +979,21 @@ class _Semaphore(ABC):
             redis.RedisError: Redis failed or could not be reached.
         """
         keys = self._keys
-        for attempt in itertools.count():
-            try:
-                async with pinned_connection(self._client, keys.base) as connection:
-                    *_, (leases, owners, time) = await connection.batch(
-                        ("MULTI",),
-                        ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-                        ("ZRANGE", keys.owner_set, 0, -1),
-                        ("TIME",),
-                        ("EXEC",),
-                    )
-                break
-            except REDIRECTS as error:
-                if attempt >= _MOST_REDIRECTS:
-                    raise
-                await reroute(self._client, error, attempt)
-            except redis.ConnectionError:
-                # A pooled connection the server closed (it restarted, say)
-                # fails its first use; a read-only look tries a new one, once,
-                # as redis-py's own commands do.
-                if attempt:
-                    raise
+        leases, owners, time = await transaction(
+            self._client,
+            keys.base,
+            ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+            ("ZRANGE", keys.owner_set, 0, -1),
+            ("TIME",),
+        )
         now = self._now()
         if now is None:
             now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}
-        # RESP2 answers ZRANGE WITHSCORES flat, [member, score, ...]; RESP3 in pairs.
-        pairs = leases if leases and isinstance(leases[0], list) else zip(leases[::2], leases[1::2], strict=True)
         return {
-            text(member): remaining
-            for member, score in pairs
-            if text(member) in owned and (remaining := float(score) + self._timeout - now) > 0
+            member: remaining
+            for member, score in scored(leases)
+            if member in owned and (remaining := score + self._timeout - now) > 0
         }
 
     def statistics(self) -> SemaphoreStatistics:
@@ -983,9 +1024,17 @@ class _Semaphore(ABC):
             except Exception:
                 if exc is None:
                     raise
-                logger.warning("releasing %s failed after its holder raised", permit, exc_info=True)
+                logger.warning(
+                    "releasing %s failed after its holder raised",
+                    permit,
+                    exc_info=True,
+                    extra=log_fields(permit.name, permit.identifier),
+                )
                 return None  # nothing more is known than before
-        return None if released else PermitLost(name=self._name, identifier=permit.identifier)
+        if released:
+            return None
+        emit_permit("lost", permit)
+        return PermitLost(name=self._name, identifier=permit.identifier)
 
     async def __aenter__(self) -> Permit:
         """Acquire a permit for the body, waiting up to ``blocking_timeout``, and keep it alive.
@@ -1043,13 +1092,23 @@ class _Semaphore(ABC):
         self._drop_hold(hold)
         permit = hold.permit
         # The scope swallows the cancellation it delivered itself, no other.
-        ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
+        try:
+            ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
+        except BaseException as error:
+            # A scope left out of order (a framework that nests blocks badly)
+            # must not keep the permit until its lease runs out.
+            await self._end_hold(permit, hold.lost, error)
+            raise
         lost = await self._end_hold(permit, hold.lost, exc)
         if lost is None:
             return
         if ours:
             raise lost from None
         if isinstance(exc, anyio.get_cancelled_exc_class()):
-            logger.warning("%s was lost while its body was being cancelled", permit)
+            logger.warning(
+                "%s was lost while its body was being cancelled",
+                permit,
+                extra=log_fields(permit.name, permit.identifier),
+            )
             return
         raise lost

@@ -580,3 +580,48 @@ async def test_the_configured_kind_chooses_the_semaphore_class() -> None:
     await work()
     (entry,) = state().idle.values()
     assert isinstance(entry.cached, AsyncLockedSemaphore)
+
+
+# --- the current permit ---------------------------------------------------------------
+
+
+async def test_a_decorated_call_finds_its_own_permit(backend: redis.asyncio.Redis) -> None:
+    @limit_concurrency("db", 2)
+    async def write() -> aiosem.Permit:
+        return aiosem.current_permit()
+
+    first, second = await asyncio.gather(write(), write())
+    assert first.name == second.name == "db"
+    assert first.identifier != second.identifier
+    assert first.fencing_token != second.fencing_token
+
+
+async def test_the_current_permit_of_a_per_key_call_is_found_by_its_key(backend: redis.asyncio.Redis) -> None:
+    @limit_concurrency(lambda host: f"host:{host}", 1)
+    async def fetch(host: str) -> tuple[aiosem.Permit, aiosem.Permit]:
+        async with aiosem.limiter("inner", 1):
+            return aiosem.current_permit(f"host:{host}"), aiosem.current_permit()
+
+    outer, innermost = await fetch("a.example")
+    assert outer.name == "host:a.example"
+    assert innermost.name == "inner"
+
+
+async def test_outside_any_limiter_there_is_no_current_permit(backend: redis.asyncio.Redis) -> None:
+    with pytest.raises(LookupError, match="not inside a limiter or a call decorated with limit_concurrency"):
+        aiosem.current_permit()
+    async with aiosem.limiter("db", 1):
+        with pytest.raises(LookupError, match="not inside a limiter named 'other'"):
+            aiosem.current_permit("other")
+    with pytest.raises(LookupError):
+        aiosem.current_permit("db")
+
+
+async def test_an_async_generators_permit_is_not_the_current_permit(backend: redis.asyncio.Redis) -> None:
+    @limit_concurrency("db", 1)
+    async def rows() -> AsyncIterator[int]:
+        yield 1
+
+    async for _ in rows():
+        with pytest.raises(LookupError):
+            aiosem.current_permit()

@@ -275,3 +275,17 @@ async def test_aclose_gives_back_kept_permits_and_fails_waiters(
     assert await sem.count() == 0
     assert await sem.waiting() == 0
     await until_no_refresher()
+
+
+async def test_a_body_whose_cancel_scope_is_left_out_of_order_still_gives_its_permit_back(
+    cls: SemaphoreClass, client: redis.asyncio.Redis
+) -> None:
+    sem = cls(client, "misnested", 1)
+    await sem.__aenter__()
+    # A scope entered inside the block and never left: leaving the block's own scope now is out of order.
+    inner = anyio.CancelScope()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="cancel scope"):
+        await sem.__aexit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert await sem.count() == 0
