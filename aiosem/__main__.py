@@ -1,29 +1,105 @@
-"""The ``aiosem`` command line: ``python -m aiosem demo [--url redis://…]``."""
+"""The ``aiosem`` command line.
+
+============================================  =====================================================
+``aiosem demo [--url URL]``                   worker processes share one limit, watched live
+``aiosem status [NAME...] [--json]``          limit, holders, waiters, tokens and rate, from Redis
+``aiosem reset NAME [--yes] [--rate]``        clear a stuck semaphore; its fencing counter stays
+============================================  =====================================================
+
+``status`` and ``reset`` take the Redis URL from ``--url``, else from
+``AIOSEM_REDIS_URL``. Exit statuses: 0 done; 1 a named semaphore does not
+exist, or a reset was not confirmed; 2 a usage error (as argparse's), no URL,
+or no ``rich`` for the table; 3 Redis failed or could not be reached.
+Passwords in URLs are never printed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import re
 import secrets
 import sys
-from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+from urllib.parse import unquote, unquote_plus
 
+import redis
+from redis.exceptions import RedisClusterException
+
+from ._config import ENV_URL, Settings
 from ._demo import KINDS, Config, embedded_server
 from ._demo import main as run_demo
+from ._keys import check_prefix
+from ._status import find_names, read_status, reset
+from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
+from ._validation import check_name, check_timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Callable, Sequence
+
+    from ._connection import Client
+    from ._status import SemaphoreStatus
+
+T = TypeVar("T")
+
+#: The lease ``status`` assumes unless told: the library's default ``timeout``.
+_DEFAULT_TIMEOUT: Final = Settings().timeout
+#: Characters that end a URL's host part: in credentials, they make the URL
+#: ambiguous, and a parser could take part of a password for a path or query.
+_AMBIGUOUS: Final = re.compile("[/?#]")
+#: The start of a redis-py object's repr; the group is the class's name.
+_REDIS_REPR: Final = re.compile(r"<redis\.(?:\w+\.)*(\w+)")
+#: The width tables are drawn at when the output is not a terminal.
+_UNFOLDED: Final = 1000
+_SCHEMES: Final = (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
+_EXIT_NOT_FOUND: Final = 1
+_EXIT_USAGE: Final = 2
+_EXIT_REDIS: Final = 3
 
 
 def redact(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    """Return ``url`` with its password, and any ``*password*`` query parameter, replaced by ``***``.
+
+    It reads the text alone, so it never fails, whatever the form: one host
+    or several (cluster and sentinel URLs), a Unix socket, a URL too
+    malformed to parse. The credentials are everything between ``//`` and
+    the last ``@``, so a password with an unencoded ``@`` is hidden whole;
+    the user name before their first ``:`` is kept, unless no ``:`` follows
+    it (a password may have been written there). Credentials with a ``/``,
+    ``?`` or ``#`` make the URL ambiguous -- where does the password end? --
+    and all but its scheme is hidden. In the query, the first parameter
+    named like ``password`` is hidden with everything after it, as an
+    unencoded ``&`` may have cut its value short.
+    """
+    scheme, slashes, rest = url.partition("//")
+    if not slashes:
+        scheme, rest = "", url
+    credentials, at, rest = rest.rpartition("@")
+    if _AMBIGUOUS.search(credentials):
+        return f"{scheme}{slashes}***"
+    hidden = ""
+    if at:
+        user, colon, _ = credentials.partition(":")
+        hidden = f"{user}:***@" if colon else "***@"
+    location, question, query = rest.partition("?")
+    shown = []
+    for parameter in query.split("&") if question else ():
+        key = parameter.partition("=")[0]
+        if "password" in unquote(key).lower():
+            shown.append(f"{key}=***")
+            break
+        shown.append(parameter)
+    return f"{scheme}{slashes}{hidden}{location}{question}{'&'.join(shown)}"
+
+
+class _Refusal(Exception):
+    """Ends a command with a one-line message on stderr and an exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _positive_int(text: str) -> int:
@@ -38,6 +114,37 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def _lease(text: str) -> float:
+    try:
+        return check_timeout(float(text), "--timeout")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _prefix(text: str) -> str:
+    try:
+        return check_prefix(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _name(text: str) -> str:
+    try:
+        return check_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_redis_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        help=f"redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// (default: ${ENV_URL})",
+    )
+    parser.add_argument(
+        "--prefix", type=_prefix, default=Settings().prefix, help="the prefix of the keys (default: aiosem)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,12 +162,58 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=_positive_int, default=3, help="permits shared by all (default: 3)")
     demo.add_argument("--duration", type=_positive_float, default=10.0, help="seconds to run (default: 10)")
     demo.add_argument("--hold", type=_positive_float, default=0.02, help="mean seconds a permit is held")
+
+    status = commands.add_parser(
+        "status",
+        help="show semaphores as Redis has them: limit, holders, waiters, tokens, rate",
+        description=(
+            "Show each named semaphore, or every one under the prefix: its limit, its holders with their "
+            "fencing tokens and what is left of their leases (remaining = last confirmation + timeout - now, "
+            "on Redis's clock), its waiters, the last fencing token, and the rate limiter of the same name."
+        ),
+    )
+    status.add_argument("names", nargs="*", type=_name, metavar="NAME", help="semaphores to show (default: all)")
+    _add_redis_arguments(status)
+    status.add_argument(
+        "--timeout",
+        type=_lease,
+        default=_DEFAULT_TIMEOUT,
+        help=(
+            "the lease the semaphores' clients use, in seconds: Redis does not store it "
+            f"(default: {_DEFAULT_TIMEOUT:g})"
+        ),
+    )
+    status.add_argument("--json", action="store_true", help="print JSON, in a documented schema, instead of a table")
+
+    reset_ = commands.add_parser(
+        "reset",
+        help="clear a stuck semaphore: its permits, queue, limit and lock; keep its fencing counter",
+        description=(
+            "Delete a semaphore's permits, waiters, limit and step lock in one transaction. Its fencing counter "
+            "is kept, so the next grant's token is higher than any before. Holders find their permit lost at "
+            "their next refresh."
+        ),
+    )
+    reset_.add_argument("name", type=_name, metavar="NAME", help="the semaphore to reset")
+    _add_redis_arguments(reset_)
+    reset_.add_argument("--rate", action="store_true", help="also reset the rate limiter of the same name")
+    reset_.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    try:
+        return _status(args) if args.command == "status" else _reset(args)
+    except _Refusal as refusal:
+        print(f"aiosem {args.command}: error: {refusal}", file=sys.stderr)
+        return refusal.status
+
+
+def _demo(args: argparse.Namespace) -> int:
     limit = 1 if args.kind in ("recipe-lock", "recipe-lock-with-timeout") else args.limit
 
     def config(url: str) -> Config:
@@ -88,6 +241,248 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(config(url), embedded=True)
     finally:
         server.__exit__(None, None, None)
+
+
+def _url(args: argparse.Namespace) -> str:
+    """The Redis URL of a command, checked without connecting."""
+    url: str | None = args.url or os.environ.get(ENV_URL)
+    if not url:
+        raise _Refusal(f"no Redis URL: pass --url or set {ENV_URL}", _EXIT_USAGE)
+    scheme, separator, rest = url.partition("://")
+    if scheme.lower() == "memory":
+        raise _Refusal("memory:// is a store inside one process: give the URL of the Redis to inspect", _EXIT_USAGE)
+    if not separator or scheme.lower() not in _SCHEMES:
+        schemes = ", ".join(f"{known}://" for known in _SCHEMES)
+        raise _Refusal(f"{redact(url)} is not a Redis URL: one starts with {schemes}", _EXIT_USAGE)
+    if _AMBIGUOUS.search(rest.rpartition("@")[0]):
+        raise _Refusal(
+            f"{redact(url)}: a '/', '?' or '#' before the last '@' makes the URL ambiguous: "
+            "percent-encode them in the credentials (%2F, %3F, %23), and any '@' in the query (%40)",
+            _EXIT_USAGE,
+        )
+    try:
+        check_url_form(url, "--url")
+    except ValueError as error:
+        raise _Refusal(str(error), _EXIT_USAGE) from None
+    return url
+
+
+def _on_redis(url: str, work: Callable[[Client], Awaitable[T]]) -> T:
+    """Run ``work`` with a client of ``url``, closed afterwards; fail with one line, the URL redacted."""
+    try:
+        client = connect(url)
+    except ValueError as error:
+        # redis-py's parsing: of a URL whose credentials are unambiguous, it
+        # quotes the path, query or port, never the password.
+        raise _Refusal(f"--url: {error}", _EXIT_USAGE) from None
+
+    async def run() -> T:
+        try:
+            return await work(client)
+        finally:
+            await close(client)
+
+    try:
+        return asyncio.run(run())
+    except (redis.RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as error:
+        raise _Refusal(f"Redis at {redact(url)}: {_describe(error, url)}", _EXIT_REDIS) from None
+
+
+def _describe(error: BaseException, url: str) -> str:
+    """``error`` in one line, with no password of ``url`` and no redis-py object in it.
+
+    Some messages show a client's repr -- Sentinel's "No master found" shows
+    each sentinel's -- and redis-py releases before the fix of
+    CVE-2026-32597 put the password in a connection pool's. The passwords
+    are replaced first, whole, before the reprs are cut out.
+    """
+    message = str(error) or type(error).__name__
+    for secret in _passwords(url):
+        message = message.replace(secret, "***")
+    return " ".join(_without_reprs(message).split())
+
+
+def _passwords(url: str) -> list[str]:
+    """The passwords in ``url`` in every form a message may show them, longest first."""
+    credentials, at, rest = url.partition("://")[2].rpartition("@")
+    user, colon, password = credentials.partition(":")
+    found = [password if colon else user] if at else []
+    for parameter in rest.partition("?")[2].split("&"):
+        key, _, value = parameter.partition("=")
+        if "password" in unquote(key).lower():
+            found.append(value)
+    forms = {form for value in found for form in (value, unquote(value), unquote_plus(value))}
+    forms |= {repr(form)[1:-1] for form in forms}
+    return sorted(filter(None, forms), key=len, reverse=True)
+
+
+def _without_reprs(message: str) -> str:
+    """``message`` with each ``<redis.…>`` repr, however nested, replaced by its class's name."""
+    parts = []
+    position = 0
+    while (match := _REDIS_REPR.search(message, position)) is not None:
+        parts.append(message[position : match.start()] + match[1])
+        position, depth = len(message), 0
+        for index in range(match.start(), len(message)):
+            depth += {"<": 1, ">": -1}.get(message[index], 0)
+            if depth == 0:
+                position = index + 1
+                break
+    parts.append(message[position:])
+    return "".join(parts)
+
+
+def _status(args: argparse.Namespace) -> int:
+    url = _url(args)
+    if not args.json:
+        try:
+            import rich  # noqa: F401, PLC0415 -- an optional dependency, checked before Redis is read
+        except ImportError:
+            raise _Refusal("the table needs rich: pip install 'aiosem[cli]', or pass --json", _EXIT_USAGE) from None
+    names = list(dict.fromkeys(args.names))
+
+    async def read(client: Client) -> list[SemaphoreStatus]:
+        found = names or await find_names(client, args.prefix)
+        return [await read_status(client, args.prefix, name, args.timeout) for name in found]
+
+    statuses = _on_redis(url, read)
+    if args.json:
+        print(json.dumps(_as_json(statuses, args.prefix, args.timeout), indent=2))
+    else:
+        _print_tables(statuses, args.prefix, args.timeout)
+    missing = [status.name for status in statuses if not status.exists]
+    for name in missing:
+        print(f"aiosem status: no semaphore {name!r} under prefix {args.prefix!r}", file=sys.stderr)
+    return _EXIT_NOT_FOUND if missing else 0
+
+
+def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -> dict[str, Any]:
+    """The ``--json`` document; its schema is documented in docs/cli.md."""
+    return {
+        "prefix": prefix,
+        "timeout": timeout,
+        "semaphores": [
+            {
+                "name": status.name,
+                "key": status.key,
+                "exists": status.exists,
+                "time": status.time,
+                "limit": status.limit,
+                "last_token": status.last_token,
+                "held": status.held,
+                "holders": [
+                    {
+                        "identifier": holder.identifier,
+                        "fencing_token": holder.fencing_token,
+                        "age": round(holder.age, 6),
+                        "remaining": round(holder.remaining, 6),
+                        "expired": holder.expired,
+                    }
+                    for holder in status.holders
+                ],
+                "waiting": len(status.waiters),
+                "waiters": [{"identifier": waiter.identifier, "ticket": waiter.ticket} for waiter in status.waiters],
+                "rate": None if status.rate_ahead is None else {"ahead": round(status.rate_ahead, 6)},
+                "lock": (
+                    None
+                    if not status.locked
+                    else {"expires_in": None if status.lock_expires_in is None else round(status.lock_expires_in, 3)}
+                ),
+            }
+            for status in statuses
+        ],
+    }
+
+
+def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -> None:
+    """One row per semaphore, then a table of the holders of each that has any."""
+    from rich.console import Console  # noqa: PLC0415 -- an optional dependency
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured: no screen to fit, and a name folded over two lines is hard to find.
+        console = Console(width=_UNFOLDED)
+    if not statuses:
+        console.print(Text(f"no semaphores under prefix {prefix!r}"))
+        return
+    summary = Table(
+        title=Text(f"semaphores under prefix {prefix!r}"),
+        caption=f"remaining = last confirmation + {timeout:g} s (--timeout) - now, on Redis's clock",
+    )
+    for column in ("name", "limit", "held", "waiting", "last token", "rate ahead", "lock"):
+        summary.add_column(column, justify="left" if column == "name" else "right")
+    for status in statuses:
+        if not status.exists:
+            summary.add_row(Text(status.name), "not found", "", "", "", "", "")
+            continue
+        expired = len(status.holders) - status.held
+        summary.add_row(
+            Text(status.name),
+            "-" if status.limit is None else str(status.limit),
+            f"{status.held} (+{expired} expired)" if expired else str(status.held),
+            str(len(status.waiters)),
+            "-" if status.last_token is None else str(status.last_token),
+            "-" if status.rate_ahead is None else f"{status.rate_ahead:.3f} s",
+            _lock_cell(status),
+        )
+    console.print(summary)
+    for status in statuses:
+        if not status.holders:
+            continue
+        holders = Table(title=Text(f"holders of {status.name!r}"))
+        for column in ("fencing token", "identifier", "age", "remaining"):
+            holders.add_column(column, justify="left" if column == "identifier" else "right")
+        for holder in status.holders:
+            holders.add_row(
+                str(holder.fencing_token),
+                Text(holder.identifier),
+                f"{holder.age:.3f} s",
+                "expired" if holder.expired else f"{holder.remaining:.3f} s",
+                style="dim" if holder.expired else None,
+            )
+        console.print(holders)
+
+
+def _lock_cell(status: SemaphoreStatus) -> str:
+    if not status.locked:
+        return "-"
+    return "held" if status.lock_expires_in is None else f"held, {status.lock_expires_in:.3f} s left"
+
+
+def _reset(args: argparse.Namespace) -> int:
+    url = _url(args)
+    if not args.yes and not sys.stdin.isatty():
+        raise _Refusal("stdin is not a terminal, so the reset cannot be confirmed: pass --yes", _EXIT_USAGE)
+    if not args.yes:
+        status = _on_redis(url, lambda client: read_status(client, args.prefix, args.name, _DEFAULT_TIMEOUT))
+        if not status.exists:
+            raise _Refusal(f"no semaphore {args.name!r} under prefix {args.prefix!r}", _EXIT_NOT_FOUND)
+        rate = " and the state of its rate limiter" if args.rate else ""
+        kept = "no fencing token issued yet" if status.last_token is None else f"last token {status.last_token}"
+        print(
+            f"Resetting {args.name!r} ({status.key}) deletes {len(status.holders)} permit(s), "
+            f"{len(status.waiters)} waiter(s), its limit and its step lock{rate}; "
+            f"its fencing counter stays ({kept})."
+        )
+        try:
+            answer = input("Type the name to confirm: ")
+        except (EOFError, KeyboardInterrupt):
+            answer = None
+        if answer != args.name:
+            raise _Refusal("not confirmed; nothing was deleted", _EXIT_NOT_FOUND)
+    done = _on_redis(url, lambda client: reset(client, args.prefix, args.name, rate=args.rate))
+    if not done.existed:
+        raise _Refusal(f"no semaphore {args.name!r} under prefix {args.prefix!r}", _EXIT_NOT_FOUND)
+    rate = " and its rate limiter's state" if args.rate else ""
+    counter = (
+        "no fencing token was ever issued"
+        if done.last_token is None
+        else f"the fencing counter stays at {done.last_token}: the next grant's token is higher"
+    )
+    print(f"reset {args.name!r}: deleted {done.holders} permit(s), {done.waiters} waiter(s){rate}; {counter}")
+    return 0
 
 
 if __name__ == "__main__":

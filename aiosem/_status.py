@@ -1,0 +1,271 @@
+"""What ``python -m aiosem status`` and ``reset`` read and delete in Redis.
+
+Each semaphore is read in one ``MULTI``/``EXEC`` on the node that serves its
+hash tag, with ``TIME`` inside, so that every figure of one semaphore is
+taken at one instant of the server's clock. The read changes nothing: a
+lease that ran out, or a waiter presumed dead, stays until the semaphore's
+next step reaps it, and is shown for what it is. No Lua is run, so a server
+that forbids scripting can be inspected too.
+
+A lease's length is not stored in Redis -- it is each client's ``timeout``
+-- so the time left of a lease is computed with the one the caller gives:
+remaining = last confirmation + timeout - now.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from ._connection import scored, transaction
+from ._keys import SemaphoreKeys, escape_name
+
+if TYPE_CHECKING:
+    from ._connection import Client
+
+#: The keys that make a name a semaphore (or a rate limiter), as suffixes of
+#: its base key: any of them but the short-lived lock.
+_SUFFIXES: Final = frozenset((*SemaphoreKeys("").fair, SemaphoreKeys("").rate))
+#: How many keys each SCAN call looks at.
+_SCAN_COUNT: Final = 1000
+_UNESCAPES: Final = {"%25": "%", "%7B": "{", "%7D": "}"}
+_ESCAPED: Final = re.compile("%25|%7B|%7D")
+_GLOB_SPECIAL: Final = re.compile(r"([\\*?\[\]])")
+#: What PTTL answers for a key that does not exist (-1: one without a TTL).
+_NO_SUCH_KEY: Final = -2
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One permit in Redis, as read.
+
+    Attributes:
+        identifier: The holder's identifier.
+        fencing_token: The token it was granted with.
+        age: Seconds since its lease was last confirmed (granted or refreshed).
+        remaining: Seconds left of its lease, for the lease the reader assumed;
+            zero or less: it ran out, and the next step reaps it.
+    """
+
+    identifier: str
+    fencing_token: int
+    age: float
+    remaining: float
+
+    @property
+    def expired(self) -> bool:
+        """Whether the lease ran out (for the lease the reader assumed)."""
+        return self.remaining <= 0
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """One waiter queued in Redis, as read.
+
+    Attributes:
+        identifier: The waiter's identifier.
+        ticket: Its place in the arrival order (lower came first).
+    """
+
+    identifier: str
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class SemaphoreStatus:
+    """One semaphore's keys, read at one instant of the server's clock.
+
+    Attributes:
+        name: The semaphore's name.
+        key: Its base key.
+        exists: Whether any of its keys exists.
+        time: The server's clock at the read, in seconds since the epoch.
+        limit: The limit it is in use with; ``None`` while nobody holds or waits.
+        last_token: The last fencing token handed out; ``None`` if none ever was.
+        holders: Every permit stored, lowest token first, expired ones included.
+        waiters: The live waiters, in queue order (those presumed dead left out).
+        rate_ahead: How far the rate limiter of the same name has its
+            theoretical arrival time ahead of now, in seconds; ``None``
+            when it is at rest.
+        locked: Whether the short step lock of `AsyncLockedSemaphore` is held.
+        lock_expires_in: Seconds until that lock expires, if it has a TTL.
+    """
+
+    name: str
+    key: str
+    exists: bool
+    time: float
+    limit: int | None
+    last_token: int | None
+    holders: tuple[Holder, ...]
+    waiters: tuple[Waiter, ...]
+    rate_ahead: float | None
+    locked: bool
+    lock_expires_in: float | None
+
+    @property
+    def held(self) -> int:
+        """How many permits are held: those whose lease has not run out."""
+        return sum(not holder.expired for holder in self.holders)
+
+
+@dataclass(frozen=True, slots=True)
+class ResetResult:
+    """What `reset` deleted.
+
+    Attributes:
+        existed: Whether any key of the semaphore, or of its rate limiter, existed.
+        holders: How many permits were stored (expired ones included).
+        waiters: How many waiters were queued (presumed dead ones included).
+        last_token: The fencing counter, kept: the next grant gets a higher token.
+        rate: Whether the rate limiter's state was deleted.
+    """
+
+    existed: bool
+    holders: int
+    waiters: int
+    last_token: int | None
+    rate: bool
+
+
+def unescape_name(escaped: str) -> str:
+    """Undo `aiosem._keys.escape_name`."""
+    return _ESCAPED.sub(lambda match: _UNESCAPES[match[0]], escaped)
+
+
+def name_of(key: bytes | str, prefix: str) -> str | None:
+    """The name of the semaphore ``key`` belongs to under ``prefix``, or ``None`` if none does."""
+    if isinstance(key, bytes):
+        try:
+            key = key.decode()
+        except UnicodeDecodeError:
+            return None  # aiosem writes its keys in UTF-8
+    start = f"{prefix}:{{"
+    if not key.startswith(start):
+        return None
+    escaped, brace, suffix = key[len(start) :].partition("}")
+    if not brace or suffix not in _SUFFIXES:
+        return None
+    name = unescape_name(escaped)
+    # A key that merely looks alike (``%7b``, a bare ``%``) is not one of ours.
+    return name if name and escape_name(name) == escaped else None
+
+
+async def find_names(client: Client, prefix: str) -> list[str]:
+    """Every semaphore or rate limiter under ``prefix``, sorted; on a cluster, on every primary.
+
+    Raises:
+        redis.RedisError: Redis failed or could not be reached.
+    """
+    pattern = _GLOB_SPECIAL.sub(r"\\\1", f"{prefix}:{{") + "*"
+    names: set[str] = set()
+    async for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+        name = name_of(key, prefix)
+        if name is not None:
+            names.add(name)
+    return sorted(names)
+
+
+async def read_status(client: Client, prefix: str, name: str, timeout: float) -> SemaphoreStatus:
+    """Read one semaphore and the rate limiter of its name, atomically, on the server's clock.
+
+    Args:
+        client: A client of the server, Sentinel's master or the cluster.
+        prefix: The semaphore's prefix.
+        name: The semaphore's name.
+        timeout: The lease its clients use, in seconds: Redis stores when
+            each lease was confirmed, not how long it lasts.
+
+    Raises:
+        redis.RedisError: Redis failed or could not be reached.
+    """
+    keys = SemaphoreKeys.for_name(prefix, name)
+    leases, owners, counter, limit, queue, alive_until, tat, lock_ms, existing, clock = await transaction(
+        client,
+        keys.base,
+        ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+        ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
+        ("GET", keys.counter),
+        ("GET", keys.limit),
+        ("ZRANGE", keys.queue, 0, -1, "WITHSCORES"),
+        ("ZRANGE", keys.waiters, 0, -1, "WITHSCORES"),
+        ("GET", keys.rate),
+        ("PTTL", keys.lock),
+        ("EXISTS", *keys.fair, keys.rate, keys.lock),
+        ("TIME",),
+    )
+    now = int(clock[0]) + int(clock[1]) / 1_000_000
+    confirmed = dict(scored(leases))
+    holders = sorted(
+        (
+            Holder(member, int(token), age=now - confirmed[member], remaining=confirmed[member] + timeout - now)
+            # A member in one set only holds nothing: the next step drops it.
+            for member, token in scored(owners)
+            if member in confirmed
+        ),
+        key=lambda holder: holder.fencing_token,
+    )
+    presumed_dead_at = dict(scored(alive_until))
+    waiters = tuple(
+        Waiter(member, int(ticket))
+        for member, ticket in scored(queue)
+        # Presumed dead once its time passed, as the next step will find it.
+        if member not in presumed_dead_at or presumed_dead_at[member] > now
+    )
+    return SemaphoreStatus(
+        name=name,
+        key=keys.base,
+        exists=int(existing) > 0,
+        time=now,
+        limit=None if limit is None else int(limit),
+        last_token=None if counter is None else int(counter),
+        holders=tuple(holders),
+        waiters=waiters,
+        # The limiter's key holds its TAT in microseconds, and expires about when it is reached.
+        rate_ahead=None if tat is None else max(0.0, int(tat) / 1_000_000 - now),
+        locked=int(lock_ms) != _NO_SUCH_KEY,
+        lock_expires_in=int(lock_ms) / 1000 if int(lock_ms) >= 0 else None,
+    )
+
+
+async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetResult:
+    """Delete a semaphore's permits, queue, limit and step lock in one transaction; keep its counter.
+
+    The fencing counter is kept so that tokens keep increasing: a resource
+    that remembers the highest token it saw still refuses the holders of
+    before. So are the ticket counter (waiters drawn a ticket but not yet
+    queued keep their place in the arrival order) and the tombstones of
+    cancelled acquires (an acquire cancelled while on its way still takes
+    nothing); both expire by themselves. A holder learns of the reset at its
+    next refresh, as `PermitLost`; a waiter is queued again by its process.
+
+    Args:
+        client: A client of the server, Sentinel's master or the cluster.
+        prefix: The semaphore's prefix.
+        name: The semaphore's name.
+        rate: Also delete the state of the rate limiter of the same name.
+
+    Raises:
+        redis.RedisError: Redis failed or could not be reached.
+    """
+    keys = SemaphoreKeys.for_name(prefix, name)
+    doomed = [keys.timeout_set, keys.owner_set, keys.queue, keys.waiters, keys.limit, keys.lock]
+    if rate:
+        doomed.append(keys.rate)
+    existing, holders, waiters, counter, _ = await transaction(
+        client,
+        keys.base,
+        ("EXISTS", *keys.fair, keys.rate, keys.lock),
+        ("ZCARD", keys.owner_set),
+        ("ZCARD", keys.queue),
+        ("GET", keys.counter),
+        ("DEL", *doomed),
+    )
+    return ResetResult(
+        existed=int(existing) > 0,
+        holders=int(holders),
+        waiters=int(waiters),
+        last_token=None if counter is None else int(counter),
+        rate=rate,
+    )
