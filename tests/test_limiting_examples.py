@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import pytest
 
 if TYPE_CHECKING:
     from tests.support import RedisServer
@@ -25,16 +22,6 @@ def run(example: str, *arguments: str) -> str:
         check=True,
     )
     return completed.stdout
-
-
-@pytest.mark.parametrize("where", ["memory", "redis"])
-def test_the_crawler_fetches_at_most_two_pages_per_host_at_once(where: str, request: pytest.FixtureRequest) -> None:
-    arguments = [] if where == "memory" else [request.getfixturevalue("redis_server").url]
-    output = run("crawler.py", *arguments)
-    assert "fetched 40 pages" in output
-    running = [int(count) for count in re.findall(r"\((\d+) running\)", output)]
-    assert len(running) == 40
-    assert max(running) <= 2
 
 
 def test_the_handler_answers_busy_beyond_the_backends_limit(redis_server: RedisServer) -> None:
