@@ -21,6 +21,13 @@ def tests(session: nox.Session, redis: str) -> None:
     session.run("pytest", *only_latest, *session.posargs)
 
 
+@nox.session(python=["3.10", "3.11", "3.12", "3.13"])
+def compat(session: nox.Session) -> None:
+    """The fast tests on every supported Python, for the compatibility matrix (not run by CI)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "not slow and not failover", *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("-e", ".[lint]")
@@ -30,7 +37,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".[test,typecheck]")
+    session.install("-e", ".[test,typecheck,bench]")
     session.run("mypy", "--strict")
 
 
@@ -45,9 +52,10 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover: each in one run."""
-    session.install("-e", ".")
+    session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
     session.run("python", "benchmarks/bench_holding.py", "--json", "benchmarks/results/holding.json")
     session.run("python", "benchmarks/bench_rate.py", "--json", "benchmarks/results/rate.json")
     session.run("python", "benchmarks/bench_failover.py", "--json", "benchmarks/results/failover.json")
+    session.run("python", "benchmarks/plots.py")

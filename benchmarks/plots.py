@@ -1,0 +1,314 @@
+"""Draw the figures of the benchmarks page from ``benchmarks/results/*.json``.
+
+Each figure reads one result file, written by the benchmark of the same name
+(``nox -s bench`` runs them all), and shows its figures as they are: nothing
+is measured here. A note under each figure names the run -- its date, the
+machine and the versions -- as the file records it. A result file that is
+missing leaves its figures out, with a message.
+
+==========================  ==================  ==========================================
+figure                      from                shows
+==========================  ==================  ==========================================
+``bench-throughput.png``    ``throughput.json``  cycles/s of both classes and the raw floor
+``bench-handoff.png``       ``waiting.json``     hand-off latency percentiles and floors
+``bench-crash.png``         ``waiting.json``     how late the next grant came after a crash
+``bench-holding.png``       ``holding.json``     commands/s to keep 1,000 permits alive
+``bench-rate.png``          ``rate.json``        the rate limiter's pace and its bounds
+``bench-failover.png``      ``failover.json``    permits forgotten and time without a grant
+``bench-replicas.png``      ``failover.json``    what ``replicas=1`` costs in cycles/s
+==========================  ==================  ==========================================
+
+Run it from the repository's root::
+
+    python benchmarks/plots.py                          # results/ -> docs/img/
+    python benchmarks/plots.py --results DIR --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from matplotlib.axes import Axes
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+#: One colour per implementation, the same in every figure.
+COLOURS: Final = {"raw": "#9e9e9e", "fair": "#3949ab", "locked": "#f4511e"}
+#: The floors a measurement is compared with.
+FLOOR: Final = "#bdbdbd"
+#: The second series of a panel that shows two of one implementation.
+PALE: Final = "#7986cb"
+LABELS: Final = {"raw": "raw EVALSHA loop", "fair": "AsyncFairSemaphore", "locked": "AsyncLockedSemaphore"}
+HOW: Final = {"failover": "SENTINEL FAILOVER", "kill": "SIGKILL of the master"}
+WIDTH: Final = 9.0
+DPI: Final = 110
+#: PNG metadata written by matplotlib would change with its version; none is kept.
+METADATA: Final[dict[str, str | None]] = {"Software": None}
+TIMES: Final = "\N{MULTIPLICATION SIGN}"
+
+Result = dict[str, Any]
+
+
+def load(path: Path) -> Result | None:
+    """The result file at ``path``, or ``None`` (with a message) if there is none."""
+    if not path.exists():
+        print(f"{path}: missing, its figures are left out", file=sys.stderr)
+        return None
+    result: Result = json.loads(path.read_text(encoding="utf-8"))
+    return result
+
+
+def provenance(result: Result) -> str:
+    """One line naming the run: date, machine and versions, as the result file records them."""
+    environment: Result = result.get("environment", result)
+    server = environment["redis_server"]
+    servers = ", ".join(server) if isinstance(server, list) else server
+    return (
+        f"{environment['date'][:10]} · Redis {servers} · redis-py {environment['redis_py']} · "
+        f"hiredis {environment['hiredis']} · {environment['implementation']} {environment['python']} · "
+        f"{environment['cpus']} CPUs · {environment['platform']} · aiosem {environment['aiosem']}"
+    )
+
+
+def figure(result: Result, height: float, columns: int = 1, *, share_x: bool = False) -> tuple[Figure, list[Axes]]:
+    """A white figure of ``columns`` panels side by side, with the run named at its foot."""
+    drawn = Figure(figsize=(WIDTH, height), dpi=DPI, facecolor="white", layout="constrained")
+    axes = drawn.subplots(1, columns, squeeze=False, sharex=share_x)[0]
+    for ax in axes:
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.set_axisbelow(True)
+    drawn.supxlabel(provenance(result), fontsize=7, color="#616161")
+    return drawn, list(axes)
+
+
+def thousands(value: float, _position: float | None = None) -> str:
+    return f"{value:,.0f}"
+
+
+def throughput(result: Result) -> Figure:
+    """Cycles per second of each implementation, contended and not, with each one's ratio to the raw floor."""
+    drawn, (ax,) = figure(result, 4.2)
+    groups = sorted({row["coroutines"] for row in result["scenarios"]}, reverse=True)
+    kinds = ("raw", "fair", "locked")
+    bar = 0.26
+    for offset, kind in enumerate(kinds):
+        rows = [next(r for r in result["scenarios"] if r["kind"] == kind and r["coroutines"] == n) for n in groups]
+        positions = [group + (offset - 1) * bar for group in range(len(groups))]
+        bars = ax.bar(positions, [r["cycles_per_second"] for r in rows], bar, color=COLOURS[kind], label=LABELS[kind])
+        labels = [f"{r['cycles_per_second']:,.0f}\n{r['ratio_to_raw']:.2f} {TIMES}" for r in rows]
+        ax.bar_label(bars, labels, fontsize=8)
+    limit = result["limit"]
+    ax.set_xticks(range(len(groups)), [f"{n} coroutine{'s' * (n > 1)}, limit {limit}" for n in groups])
+    ax.set_ylabel("acquire + release cycles per second")
+    ax.yaxis.set_major_formatter(FuncFormatter(thousands))
+    ax.margins(y=0.2)
+    ax.grid(axis="y", color="#eeeeee")
+    ax.legend(frameon=False, loc="upper right")
+    ax.set_title("Throughput, and its ratio to a raw loop of 2 EVALSHA per cycle in the same run", fontsize=10)
+    return drawn
+
+
+def handoff(result: Result) -> Figure:
+    """Release in one process to acquire returning in another: percentiles against the floors of the same server."""
+    drawn, axes = figure(result, 4.0, columns=len(result["handoff"]), share_x=True)
+    for ax, row in zip(axes, result["handoff"], strict=True):
+        names = ["EVALSHA p50", "EVALSHA p50 after 2 ms idle", "PUBLISH to an idle listener, p50"]
+        values = [row["evalsha_p50_ms"], row["idle_evalsha_p50_ms"], row["publish_p50_ms"]]
+        colours = [FLOOR] * 3
+        for percentile in ("p50", "p90", "p99", "max"):
+            names.append(f"hand-off {percentile}")
+            values.append(row[f"{percentile}_ms"])
+            colours.append(COLOURS[row["kind"]])
+        bars = ax.barh(names, values, color=colours)
+        ax.bar_label(bars, [f"{value:.2f} ms" for value in values], fontsize=8, padding=2)
+        ax.invert_yaxis()
+        ax.margins(x=0.15)
+        ax.set_xlabel("milliseconds")
+        ax.grid(axis="x", color="#eeeeee")
+        ax.set_title(f"{LABELS[row['kind']]} ({row['repetitions']} hand-offs)", fontsize=10)
+    for ax in axes[1:]:
+        ax.tick_params(labelleft=False)
+    drawn.suptitle("Hand-off latency; grey: floors measured on the same server in the same run", fontsize=10)
+    return drawn
+
+
+def crash(result: Result) -> Figure:
+    """How long after the lease (or the waiter timeout) of a killed process the next waiter was granted."""
+    drawn, (ax,) = figure(result, 3.2)
+    rows = result["crash"]
+    for index, row in enumerate(rows):
+        excess = [(delay - row["bound_s"]) * 1000 for delay in row["delays_s"]]
+        ax.scatter(excess, [index] * len(excess), color=COLOURS[row["kind"]], s=36, alpha=0.8, zorder=3)
+    ax.set_yticks(range(len(rows)), [f"{LABELS[row['kind']]}:\n{row['case']}" for row in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    bounds = " and ".join(sorted({f"{row['bound_s']:g} s" for row in rows}))
+    ax.set_xlabel(f"ms after the lease or the waiter timeout ({bounds}) ran out")
+    ax.grid(axis="x", color="#eeeeee")
+    ax.set_title("Crash reclaim: when the next waiter got the permit; each dot one SIGKILL", fontsize=10)
+    return drawn
+
+
+def holding(result: Result) -> Figure:
+    """Commands per second the server ran to keep 1,000 permits alive, by aiosem's refresher and by a task each."""
+    drawn, (ax,) = figure(result, 3.0)
+    rows = result["results"]
+    names = [f"{LABELS[row['kind']]}: {row['method']}" for row in rows]
+    values = [row["commands_per_s"] for row in rows]
+    colours = [COLOURS[row["kind"]] if row["method"] == "refresher" else FLOOR for row in rows]
+    bars = ax.barh(names, values, color=colours)
+    ax.bar_label(bars, [f"{value:,.1f}" for value in values], fontsize=8, padding=2)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.margins(x=0.3)
+    ax.set_xlabel("commands per second run by the server (log scale; those inside scripts included)")
+    ax.grid(axis="x", color="#eeeeee")
+    permits = rows[0]["permits"]
+    ax.set_title(f"Keeping {permits:,} held permits alive; grey: a task per permit calling the recipe", fontsize=10)
+    return drawn
+
+
+def rate(result: Result) -> Figure:
+    """The rate limiter's pace in each run, against what GCRA allows."""
+    drawn, (counts, gaps) = figure(result, 3.6, columns=2)
+    rows = result["results"]
+    first = rows[0]
+    servers = [row["server"] for row in rows]
+    bar = 0.35
+    # What is counted, the bound it is drawn against, and how the legend says both.
+    counted = (
+        ("grants", "ideal", f"grants (line: rate {TIMES} duration + burst)"),
+        ("max_in_window", "allowed_in_window", f"most grants in any {first['per']:g} s window (line: rate + burst)"),
+    )
+    for offset, (key, bound, label) in enumerate(counted):
+        positions = [index + (offset - 0.5) * bar for index in range(len(rows))]
+        colour = COLOURS["fair"] if offset == 0 else PALE
+        bars = counts.bar(positions, [row[key] for row in rows], bar, color=colour, label=label)
+        counts.bar_label(bars, [f"{row[key]:g}" for row in rows], fontsize=8, label_type="center", color="white")
+        for position, row in zip(positions, rows, strict=True):
+            counts.hlines(row[bound], position - bar / 2, position + bar / 2, color="black", linewidth=1.5)
+    counts.set_xticks(range(len(rows)), servers)
+    counts.margins(y=0.25)
+    counts.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    counts.set_title("Grants, each against its bound", fontsize=10)
+    for offset, (key, label) in enumerate((("gap_p50_ms", "median gap"), ("gap_min_ms", "shortest gap"))):
+        positions = [index + (offset - 0.5) * bar for index in range(len(rows))]
+        colour = COLOURS["fair"] if offset == 0 else PALE
+        bars = gaps.bar(positions, [row[key] for row in rows], bar, color=colour, label=label)
+        gaps.bar_label(bars, [f"{row[key]:.1f}" for row in rows], fontsize=8, padding=2)
+    interval = rows[0]["interval_ms"]
+    gaps.axhline(interval, color="black", linewidth=1, linestyle="--", label=f"interval ({interval:g} ms)")
+    gaps.set_xticks(range(len(rows)), servers)
+    gaps.set_ylabel("ms between consecutive grants")
+    gaps.margins(y=0.25)
+    gaps.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=3)
+    gaps.set_title("Time between grants", fontsize=10)
+    drawn.suptitle(
+        f"Rate limiter: {first['processes']} processes {TIMES} {first['coroutines']} coroutines, "
+        f"rate {first['rate']:g} per {first['per']:g} s, burst {first['burst']}, {first['duration_s']:g} s",
+        fontsize=10,
+    )
+    return drawn
+
+
+def failover(result: Result) -> Figure:
+    """Per row of failovers: permits granted and forgotten, and the longest time without a grant."""
+    drawn, (permits, outage) = figure(result, 5.0, columns=2)
+    rows = result["forgotten"]
+    names = [f"{row['kind']}, {HOW[row['how']]}, replicas={row['replicas']}" for row in rows]
+    kept = [row["granted"] - row["forgotten"] for row in rows]
+    permits.barh(names, kept, color=[COLOURS[row["kind"]] for row in rows], label="still held on the new master")
+    lost = permits.barh(names, [row["forgotten"] for row in rows], left=kept, color="black", label="forgotten")
+    permits.bar_label(lost, [f"{row['forgotten']:,} of {row['granted']:,}" for row in rows], fontsize=7, padding=2)
+    permits.invert_yaxis()
+    permits.margins(x=0.45)
+    permits.xaxis.set_major_formatter(FuncFormatter(thousands))
+    permits.set_xlabel(f"permits granted in {rows[0]['rounds']} failovers")
+    permits.legend(frameon=False, fontsize=8, loc="lower right")
+    permits.set_title("Permits granted, and forgotten by the new master", fontsize=10)
+    medians = [row["outage_median_s"] for row in rows]
+    maxima = [row["outage_max_s"] for row in rows]
+    longest = outage.barh(names, maxima, color=FLOOR, label="max")
+    outage.barh(names, medians, color=[COLOURS[row["kind"]] for row in rows], label="median")
+    outage.bar_label(
+        longest, [f"{m:.2f} / {x:.2f}" for m, x in zip(medians, maxima, strict=True)], fontsize=7, padding=2
+    )
+    outage.invert_yaxis()
+    outage.tick_params(labelleft=False)
+    outage.margins(x=0.3)
+    outage.set_xlabel("seconds: median / max over the rounds")
+    outage.set_title("Longest time without a grant", fontsize=10)
+    return drawn
+
+
+def replicas(result: Result) -> Figure:
+    """Cycles per second with ``replicas=0`` and ``1``, on the same master and replica in the same run."""
+    drawn, axes = figure(result, 3.4, columns=2)
+    rows = result["cost"]
+    kinds = list(dict.fromkeys(row["kind"] for row in rows))
+    panels: Sequence[tuple[str, str]] = (
+        ("one_coroutine_cycles_per_s", "1 coroutine"),
+        ("many_coroutines_cycles_per_s", "64 coroutines, limit 16"),
+    )
+    bar = 0.38
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for offset, count in enumerate((0, 1)):
+            chosen = [next(r for r in rows if r["kind"] == kind and r["replicas"] == count) for kind in kinds]
+            positions = [index + (offset - 0.5) * bar for index in range(len(kinds))]
+            colours = [COLOURS[kind] for kind in kinds]
+            bars = ax.bar(positions, [r[key] for r in chosen], bar, color=colours, alpha=1.0 if count else 0.45)
+            ax.bar_label(bars, [f"replicas={count}\n{r[key]:,.0f}" for r in chosen], fontsize=7)
+        ax.set_xticks(range(len(kinds)), [LABELS[kind] for kind in kinds])
+        ax.yaxis.set_major_formatter(FuncFormatter(thousands))
+        ax.margins(y=0.25)
+        ax.grid(axis="y", color="#eeeeee")
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("acquire + release cycles per second")
+    drawn.suptitle(
+        "What replicas=1 costs: pale, replicas=0; solid, replicas=1 (master and replica on loopback)", fontsize=10
+    )
+    return drawn
+
+
+#: Each figure: its file, the result it reads, how it is drawn.
+FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
+    ("bench-throughput.png", "throughput.json", throughput),
+    ("bench-handoff.png", "waiting.json", handoff),
+    ("bench-crash.png", "waiting.json", crash),
+    ("bench-holding.png", "holding.json", holding),
+    ("bench-rate.png", "rate.json", rate),
+    ("bench-failover.png", "failover.json", failover),
+    ("bench-replicas.png", "failover.json", replicas),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results", help="where the JSONs are")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="where to write the PNGs")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Result | None] = {}
+    for image, source, draw in FIGURES:
+        if source not in results:
+            results[source] = load(args.results / source)
+        result = results[source]
+        if result is None:
+            continue
+        path = args.out / image
+        draw(result).savefig(path, metadata=METADATA)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
