@@ -14,7 +14,7 @@ base key as its ``semname``:
 =============================  ===========================================
 ``prefix:{name}``              timeout set: identifier -> grant time (s)
 ``prefix:{name}:owner``        owner set: identifier -> fencing token
-``prefix:{name}:counter``      the last fencing token; never expires
+``prefix:{name}:counter``      the last fencing token; expires a day after the last grant
 ``prefix:{name}:queue``        waiters: identifier -> ticket (arrival order)
 ``prefix:{name}:waiters``      waiters: identifier -> presumed dead at (s)
 ``prefix:{name}:cancelled``    tombstones: identifier -> refused until (s)

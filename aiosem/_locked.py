@@ -369,7 +369,8 @@ class _Plan:
         if operation != "acquire":
             self._hand_off()
         if self.counter > self.initial_counter:
-            self.writes.insert(0, ("INCRBY", keys.counter, self.counter - self.initial_counter))
+            # The counter is watched: nobody else wrote it since it was read.
+            self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", _COUNTER_TTL_MS))
         waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
         for key in (keys.queue, keys.waiters, keys.tickets):
             self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
@@ -385,7 +386,8 @@ class _Plan:
         )
 
     def _grant(self, member: bytes, stamp: float) -> int:
-        self.counter += 1
+        # As the scripts' aiosem_next_token: never below the clock in microseconds.
+        self.counter = max(self.counter + 1, math.floor(self.now * 1_000_000))
         self.owners[member] = self.counter
         self.leases[member] = stamp
         self.writes += [
@@ -490,6 +492,8 @@ class _Plan:
 
 #: As in the scripts: how long a cancelled identifier is refused.
 _TOMBSTONE_SECONDS: Final = 60
+#: As in the scripts: how long the fencing counter outlives the last grant.
+_COUNTER_TTL_MS: Final = 86_400_000
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:

@@ -90,8 +90,11 @@ class Permit:
     Attributes:
         name: The name of the semaphore.
         identifier: The holder's identifier in Redis, unique per grant.
-        fencing_token: The semaphore's counter at the grant. It strictly
-            increases over the whole life of the semaphore, so a resource that
+        fencing_token: The semaphore's counter at the grant: one more than
+            the last, or the server's clock in microseconds if that is
+            higher. It strictly increases over the whole life of the
+            semaphore -- even after the counter expired, a day after the
+            last grant, or Redis lost its data -- so a resource that
             remembers the highest token it has seen can refuse a write that
             carries a lower one. With ``limit == 1`` this fences off a holder
             whose lease ran out while it was paused; with a larger limit

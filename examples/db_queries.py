@@ -28,11 +28,10 @@ price stands: the example drops the older one and counts it. A write that
 must not be lost (an increment, say) would instead be retried under a new
 permit, after reading the row again.
 
-The fence is only as lasting as the semaphore's counter in Redis, which is
-never reset nor expired -- unless Redis loses its data (a restart without
-persistence, a ``FLUSHALL``). Tokens then start again from 1, and every row
-written before refuses every write: safe, but stuck until the fences are
-reset (here: drop the schema).
+The fence outlasts the semaphore's counter in Redis: a token is never below
+the Redis server's clock in microseconds, so after the counter expires (a
+day after the last grant) or Redis loses its data, the next token is still
+higher than every fence written before.
 
 Every query logs its start and its end in PostgreSQL, with
 ``clock_timestamp()``, while it holds its permit; the summary computes from

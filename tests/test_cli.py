@@ -225,7 +225,8 @@ async def test_the_table_shows_each_semaphore_with_its_holder_count(
             await semaphore.release(permit)
     output = capsys.readouterr().out
     # name, limit, held, waiting, last token, rate ahead, lock
-    assert table_row(output, name) == [name, "3", "2", "0", "2", "-", "-"]
+    last = max(permit.fencing_token for permit in permits if permit is not None)
+    assert table_row(output, name) == [name, "3", "2", "0", str(last), "-", "-"]
     assert f"holders of '{name}'" in output
     assert "remaining = last confirmation + 10 s (--timeout) - now" in output
 
@@ -497,10 +498,11 @@ async def test_reset_clears_permits_queue_limit_and_lock_and_keeps_the_counter(
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await semaphore.aclose()
-    assert "deleted 2 permit(s), 1 waiter(s); the fencing counter stays at 2" in capsys.readouterr().out
-    entry = await one_status(capsys, redis_server.url, name)
-    assert (entry["limit"], entry["held"], entry["last_token"], entry["lock"]) == (None, 0, 2, None)
     assert permits[1] is not None
+    last = permits[1].fencing_token
+    assert f"deleted 2 permit(s), 1 waiter(s); the fencing counter stays at {last}" in capsys.readouterr().out
+    entry = await one_status(capsys, redis_server.url, name)
+    assert (entry["limit"], entry["held"], entry["last_token"], entry["lock"]) == (None, 0, last, None)
     later = cls(real_client, name, 1)
     permit = await later.acquire()
     assert permit is not None
@@ -570,12 +572,13 @@ async def test_reset_is_confirmed_by_typing_the_name(
 ) -> None:
     name = unique("typed")
     semaphore = AsyncFairSemaphore(real_client, name, 1)
-    assert await semaphore.acquire() is not None
+    permit = await semaphore.acquire()
+    assert permit is not None
     monkeypatch.setattr(sys, "stdin", Terminal(f"{name}\n"))
     assert await cli("reset", name, "--url", redis_server.url) == 0
     output = capsys.readouterr().out
     assert f"Resetting '{name}' (aiosem:{{{name}}}) deletes 1 permit(s), 0 waiter(s)" in output
-    assert "its fencing counter stays (last token 1)" in output
+    assert f"its fencing counter stays (last token {permit.fencing_token})" in output
     assert "Type the name to confirm: " in output
     assert await semaphore.count() == 0
 

@@ -130,8 +130,13 @@ async def test_the_fair_semaphore_keeps_the_books_layout(client: redis.asyncio.R
     assert first is not None
     assert second is not None
     assert await client.zrange("sem", 0, -1, withscores=True) == [(first.encode(), T), (second.encode(), T + 1)]
-    assert await client.zrange("sem:owner", 0, -1, withscores=True) == [(first.encode(), 1), (second.encode(), 2)]
-    assert await client.get("sem:counter") == b"2"
+    # Owners are scored by the counter, which never falls below the clock in microseconds.
+    tokens = [int(T * 1_000_000), int((T + 1) * 1_000_000)]
+    assert await client.zrange("sem:owner", 0, -1, withscores=True) == [
+        (first.encode(), tokens[0]),
+        (second.encode(), tokens[1]),
+    ]
+    assert await client.get("sem:counter") == str(tokens[1]).encode()
 
 
 async def test_refresh_is_true_while_the_permit_is_held(client: redis.asyncio.Redis) -> None:
@@ -291,7 +296,7 @@ async def test_a_refused_fair_acquire_leaves_no_trace(client: redis.asyncio.Redi
     assert await recipes.acquire_fair_semaphore(client, "sem", 1) is None
     assert await client.zcard("sem") == 1
     assert await client.zcard("sem:owner") == 1
-    assert await client.get("sem:counter") == b"1"
+    assert await client.get("sem:counter") == str(int(await client.zscore("sem:owner", holder) or 0)).encode()
 
 
 async def test_the_books_refused_fair_acquire_bumps_the_counter(client: redis.asyncio.Redis) -> None:

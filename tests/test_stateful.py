@@ -9,6 +9,7 @@ that state what a leased counting semaphore is.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -55,7 +56,8 @@ class Model:
         self.reap(now)
         if len(self.holders) >= self.limit:
             return 0
-        self.counter += 1
+        # Tokens never fall below the clock in microseconds.
+        self.counter = max(self.counter + 1, math.floor(now * 1_000_000))
         self.holders[identifier] = (now, self.counter)
         return self.counter
 

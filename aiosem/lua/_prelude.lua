@@ -9,7 +9,7 @@
 -- Every fair script takes the same keys:
 local TIMEOUTS = KEYS[1]   -- identifier -> grant or refresh time (s)
 local OWNERS = KEYS[2]     -- identifier -> fencing token
-local COUNTER = KEYS[3]    -- the last fencing token handed out; never expires
+local COUNTER = KEYS[3]    -- the last fencing token handed out (see aiosem_next_token)
 local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
 local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
@@ -50,6 +50,23 @@ end
 -- to 100 us; microseconds are what TIME gives.
 local function aiosem_seconds(x)
   return string.format('%.6f', x)
+end
+
+-- How long the fencing counter outlives the last grant: a day, so that an
+-- idle semaphore leaves nothing behind for ever, yet far longer than any
+-- step of the server's clock back that the counter must cover.
+local COUNTER_TTL_MS = 86400000
+
+-- The next fencing token: one more than the last, and never less than the
+-- clock in microseconds. Tokens therefore keep increasing after the counter
+-- expired, or Redis lost it, unless the clock stepped back further than
+-- the time since the last grant. (A token is under 2^53, until the year
+-- 2255: exact in a Lua number and in a sorted set's score.)
+local function aiosem_next_token(now)
+  local last = tonumber(redis.call('GET', COUNTER) or 0)
+  local token = math.max(last + 1, math.floor(now * 1000000))
+  redis.call('SET', COUNTER, string.format('%d', token), 'PX', COUNTER_TTL_MS)
+  return token
 end
 
 -- ZREM takes its members as arguments; unpack() is bounded by the Lua stack.
@@ -145,13 +162,13 @@ local function aiosem_hand_off(free, state, granted)
   local heads = redis.call('ZRANGE', QUEUE, 0, free - 1)
   local messages = {}
   for _, identifier in ipairs(heads) do
-    local token = redis.call('INCR', COUNTER)
+    local token = aiosem_next_token(now)
     local owner = aiosem_owner(identifier)
     local stamp = now
     if owner ~= state.caller then
       stamp = now - lease + math.min(waiter_ttl, lease)
       if owner then
-        messages[owner] = (messages[owner] or '') .. identifier .. ':' .. token .. ' '
+        messages[owner] = (messages[owner] or '') .. identifier .. ':' .. string.format('%d', token) .. ' '
       end
     end
     redis.call('ZADD', OWNERS, token, identifier)

@@ -30,7 +30,7 @@ local function acquire(identifier, state, mismatch)
     return -3
   end
   if state.queued == 0 and state.holders < state.limit then
-    token = redis.call('INCR', COUNTER)
+    token = aiosem_next_token(state.now)
     redis.call('ZADD', OWNERS, token, identifier)
     redis.call('ZADD', TIMEOUTS, stamp, identifier)
     state.holders = state.holders + 1
