@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
     from tests.support import RedisServer
 
+pytestmark = pytest.mark.apps
+
 #: What a limited route does, given its permit (``None`` when not limited); it returns the JSON body.
 Work: TypeAlias = "Callable[[Permit | None], Awaitable[dict[str, Any]]]"
 #: A semaphore's name, or a function of the request's path returning it or ``None``.

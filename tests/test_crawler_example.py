@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
     from tests.support import RedisServer
 
+pytestmark = pytest.mark.apps
+
 CRAWLER = Path(__file__).parent.parent / "examples" / "crawler.py"
 PER_HOST = 2
 #: How much closer together than its delay two requests may reach a host.

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from datetime import datetime
     from types import ModuleType
 
+pytestmark = pytest.mark.apps
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 #: Queries each run of db_queries.py starts at once.
 QUERIES = 24

@@ -45,7 +45,7 @@ REQUESTS = 200
 #: How much earlier than ``blocking_timeout`` a client may see its 503: timer granularity only.
 EARLY = 0.01
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.apps]
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 if TYPE_CHECKING:
     from tests.support import RedisServer
+
+pytestmark = pytest.mark.apps
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
