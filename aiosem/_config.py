@@ -50,6 +50,7 @@ from ._rate import AsyncRateLimiter
 from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
 from ._validation import (
     check_burst,
+    check_interval,
     check_limit,
     check_name,
     check_positive,
@@ -221,7 +222,10 @@ def check_url(value: object, argument: str = "url") -> str:
     """A URL aiosem can connect to; the message never repeats it (it may hold a password)."""
     if not isinstance(value, str):
         raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError as error:
+        raise ValueError(f"{argument}: {error}") from None
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
         shown = f"a {scheme}:// URL" if scheme else "no URL scheme"
@@ -267,7 +271,9 @@ def check_limits(value: object) -> dict[str, int]:
 
 def check_rate(rate: object, per: object = 1.0, burst: object = 1) -> Rate:
     """A whole rate, each part checked as `AsyncRateLimiter` checks it."""
-    return Rate(check_positive(rate, "rate"), check_positive(per, "per"), check_burst(burst))
+    checked = Rate(check_positive(rate, "rate"), check_positive(per, "per"), check_burst(burst))
+    check_interval(checked.rate, checked.per)
+    return checked
 
 
 def check_rates(value: object) -> dict[str, Rate]:

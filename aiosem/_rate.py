@@ -14,7 +14,7 @@ from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
-from ._validation import check_burst, check_name, check_positive, check_wait
+from ._validation import check_burst, check_interval, check_name, check_now, check_positive, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -87,6 +87,7 @@ class AsyncRateLimiter:
         self._name = check_name(name)
         self._rate = check_positive(rate, "rate")
         self._per = check_positive(per, "per")
+        check_interval(self._rate, self._per)
         self._burst = check_burst(burst)
         self._blocking_timeout = check_wait(blocking_timeout)
         self._key = SemaphoreKeys.for_name(check_prefix(prefix), name).rate
@@ -133,7 +134,7 @@ class AsyncRateLimiter:
         )
 
     async def _run(self, mode: str, argument: str) -> tuple[bool, float, int]:
-        now = "" if self._clock is None else repr(self._clock())
+        now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
         granted, wait, tat = await RATE_ACQUIRE.run(
             self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)

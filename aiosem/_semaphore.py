@@ -38,7 +38,7 @@ from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
 from ._timing import Backoff, Deadline
-from ._validation import check_limit, check_name, check_replicas, check_timeout, check_wait
+from ._validation import check_limit, check_name, check_now, check_replicas, check_timeout, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -318,7 +318,7 @@ class _Semaphore(ABC):
         return self._replicas if operation != "release" and mode != "count" else 0
 
     def _now(self) -> float | None:
-        return None if self._clock is None else self._clock()
+        return None if self._clock is None else check_now(self._clock(), "clock()")
 
     async def _arrive(self, identifier: str) -> None:  # noqa: B027 -- a hook: a script queues on arrival
         """Note a blocking acquire's arrival, before its first step."""
@@ -599,6 +599,7 @@ class _Semaphore(ABC):
     def _check_permit(self, permit: Permit) -> Permit:
         if not isinstance(permit, Permit):
             raise TypeError(f"permit must be a Permit, not {type(permit).__name__}")
+        check_name(permit.identifier, "permit.identifier")
         if permit.key != self._keys.base:
             raise ValueError(
                 f"permit belongs to the semaphore at {permit.key!r}, not to this one at {self._keys.base!r}"
@@ -791,6 +792,8 @@ class _Semaphore(ABC):
             Redis. ``async with`` shields its release for you.
         """
         permit = self._check_permit(permit)
+        # Before anything is dropped: another loop's call must leave this loop's hold alone.
+        self._bind()
         self._claims.discard(permit.identifier)
         self._claiming.discard(permit.identifier)
         hold = self._holds.get(permit.identifier)
@@ -1092,6 +1095,8 @@ class _Semaphore(ABC):
             raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
         hold = held[index][1]
         _held.set(held[:index] + held[index + 1 :])
+        # The body gave its permit back itself with `release`: nothing more to do.
+        released = hold.lost is None and self._holds.get(hold.permit.identifier) is not hold
         self._drop_hold(hold)
         permit = hold.permit
         # The scope swallows the cancellation it delivered itself, no other.
@@ -1100,8 +1105,11 @@ class _Semaphore(ABC):
         except BaseException as error:
             # A scope left out of order (a framework that nests blocks badly)
             # must not keep the permit until its lease runs out.
-            await self._end_hold(permit, hold.lost, error)
+            if not released:
+                await self._end_hold(permit, hold.lost, error)
             raise
+        if released:
+            return
         lost = await self._end_hold(permit, hold.lost, exc)
         if lost is None:
             return

@@ -62,6 +62,13 @@ def check_url_form(url: str, argument: str) -> None:
         _cluster_arguments(url, argument)
     elif scheme in SENTINEL_SCHEMES:
         _sentinel_arguments(url, argument)
+    elif scheme in SERVER_SCHEMES:
+        # redis-py's own parse, and the port: a bad one fails only at connect time otherwise.
+        try:
+            parse_url(url)
+            urlsplit(url).port  # noqa: B018 -- read for the ValueError it raises
+        except ValueError as error:
+            raise ValueError(f"{argument}: {error}") from None
 
 
 def connect(url: str) -> Client:

@@ -1,7 +1,10 @@
 """Argument checks shared by the semaphores and the recipes.
 
 Each check raises before anything reaches Redis, with a message that names
-the argument, and returns the value in the form the caller stores.
+the argument, and returns the value in the form the caller stores. Only
+``int`` and ``float`` (and their subclasses, ``bool`` excepted) count as
+numbers; only a float infinity means "for ever", an ``int`` too large
+for a float is merely too large.
 """
 
 from __future__ import annotations
@@ -10,8 +13,21 @@ import math
 from typing import Any, Final
 
 #: The longest duration accepted: Redis keeps millisecond TTLs in 64 bits,
-#: and no lease or lock is meant to outlive its application.
+#: and no lease, lock or wait is meant to outlive its application.
 LONGEST: Final = 1e9
+#: The shortest lease or interval accepted: Redis counts TTLs in milliseconds,
+#: and a shorter lease would run out before its grant could be read.
+SHORTEST: Final = 0.001
+#: The largest limit: the scripts count in doubles, exact up to 2**53, and
+#: write a limit beyond 10**16 in a form the other clients cannot read.
+MOST_LIMIT: Final = 2**53
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message; an int too long to print is described instead."""
+    if isinstance(value, int) and value.bit_length() > 64:  # noqa: PLR2004 -- beyond any int Redis takes
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    return str(value)
 
 
 def check_name(value: Any, argument: str = "name") -> str:
@@ -19,6 +35,14 @@ def check_name(value: Any, argument: str = "name") -> str:
         raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
     if not value:
         raise ValueError(f"{argument} must not be empty")
+    try:
+        value.encode()
+    except UnicodeEncodeError as error:
+        # A lone surrogate (from os.fsdecode, or a bad slice) cannot be sent
+        # to Redis: refused here rather than by the first command.
+        raise ValueError(
+            f"{argument} must be valid Unicode, without lone surrogates; it has one at index {error.start}"
+        ) from None
     return value
 
 
@@ -26,25 +50,38 @@ def check_limit(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"limit must be an int, not {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"limit must be at least 1, got {value}")
+        raise ValueError(f"limit must be at least 1, got {_shown(value)}")
+    if value > MOST_LIMIT:
+        raise ValueError(f"limit must be at most 2**53 ({MOST_LIMIT:,}), got {_shown(value)}")
     return value
 
 
-def _check_number(value: Any, argument: str) -> float:
+def _as_float(value: Any, argument: str, what: str) -> float:
+    """``value`` as a float, or a TypeError naming ``argument`` if it is not ``what``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
-    if math.isnan(value):
+        raise TypeError(f"{argument} must be {what}, not {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _check_number(value: Any, argument: str) -> float:
+    seconds = _as_float(value, argument, "a number of seconds")
+    if math.isnan(seconds):
         raise ValueError(f"{argument} must not be NaN")
-    return float(value)
+    return seconds
 
 
 def check_timeout(value: Any, argument: str = "timeout") -> float:
     """A duration that must be positive and finite (a lease, a lock's TTL)."""
     seconds = _check_number(value, argument)
-    if seconds <= 0 or math.isinf(seconds):
-        raise ValueError(f"{argument} must be a positive, finite number of seconds, got {value}")
+    if seconds <= 0 or seconds == value == math.inf:
+        raise ValueError(f"{argument} must be a positive, finite number of seconds, got {_shown(value)}")
+    if seconds < SHORTEST:
+        raise ValueError(f"{argument} must be at least {SHORTEST:g} s (Redis counts in milliseconds), got {value}")
     if seconds > LONGEST:
-        raise ValueError(f"{argument} must be at most {LONGEST:g} seconds, got {value}")
+        raise ValueError(f"{argument} must be at most {LONGEST:g} seconds, got {_shown(value)}")
     return seconds
 
 
@@ -54,17 +91,23 @@ def check_wait(value: Any, argument: str = "blocking_timeout") -> float | None:
         return None
     seconds = _check_number(value, argument)
     if seconds < 0:
-        raise ValueError(f"{argument} must not be negative, got {value}")
-    return None if math.isinf(seconds) else seconds
+        raise ValueError(f"{argument} must not be negative, got {_shown(value)}")
+    if seconds == value == math.inf:
+        return None
+    if seconds > LONGEST:
+        raise ValueError(
+            f"{argument} must be at most {LONGEST:g} seconds (None or math.inf waits for ever), got {_shown(value)}"
+        )
+    return seconds
 
 
-def check_now(value: Any) -> float | None:
+def check_now(value: Any, argument: str = "now") -> float | None:
     """A caller-supplied clock reading in seconds, or ``None`` for the server's."""
     if value is None:
         return None
-    seconds = _check_number(value, "now")
+    seconds = _check_number(value, argument)
     if math.isinf(seconds):
-        raise ValueError(f"now must be finite, got {value}")
+        raise ValueError(f"{argument} must be finite, got {_shown(value)}")
     return seconds
 
 
@@ -73,18 +116,24 @@ MOST_BURST: Final = 1_000_000
 
 
 def check_positive(value: object, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument} must be a number, not {type(value).__name__}")
-    if math.isnan(value) or math.isinf(value) or value <= 0:
-        raise ValueError(f"{argument} must be a positive, finite number, got {value}")
-    return float(value)
+    number = _as_float(value, argument, "a number")
+    if not 0 < number < math.inf:
+        raise ValueError(f"{argument} must be a positive, finite number, got {_shown(value)}")
+    return number
+
+
+def check_interval(rate: float, per: float) -> None:
+    """Refuse a rate whose interval, ``per / rate``, is longer than Redis can keep as a TTL (`LONGEST`)."""
+    interval = per / rate
+    if interval > LONGEST:
+        raise ValueError(f"per / rate, the time between two calls, must be at most {LONGEST:g} s, got {interval:g}")
 
 
 def check_burst(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"burst must be an int, not {type(value).__name__}")
     if not 1 <= value <= MOST_BURST:
-        raise ValueError(f"burst must be between 1 and {MOST_BURST:,}, got {value}")
+        raise ValueError(f"burst must be between 1 and {MOST_BURST:,}, got {_shown(value)}")
     return value
 
 
@@ -92,5 +141,5 @@ def check_replicas(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"replicas must be an int, not {type(value).__name__}")
     if value < 0:
-        raise ValueError(f"replicas must not be negative, got {value}")
+        raise ValueError(f"replicas must not be negative, got {_shown(value)}")
     return value
