@@ -14,6 +14,8 @@ move to settle, before the step is tried again.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, Union
 
@@ -42,6 +44,8 @@ except ImportError:  # pragma: no cover -- hiredis comes with aiosem's dependenc
     _hiredis_pack = None  # type: ignore[assignment]
 
 _UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
+
+logger = logging.getLogger("aiosem")
 
 #: What a cluster answers about a slot that moved or is moving -- or what
 #: redis-py raises once it gave up following such answers (``ClusterError``:
@@ -217,3 +221,46 @@ def scored(reply: Any) -> list[tuple[str, float]]:
 def text(value: Any) -> str:
     """A reply's member or channel as a str, whether or not the client decodes replies."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+#: The clients whose server's eviction policy was looked at, each once.
+_policy_checked: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+async def check_eviction_policy(client: Client, key: str) -> None:
+    """Warn, once per client, if the server serving ``key`` may evict aiosem's keys.
+
+    With a ``maxmemory`` set, an ``allkeys-*`` policy may delete a
+    semaphore's permits -- and then grant more than its limit -- and a
+    ``volatile-*`` one its queue, its counter or a rate limiter's state
+    (they carry TTLs). ``noeviction`` refuses writes instead, which aiosem
+    reports as errors. A server that will not say (``CONFIG`` renamed or
+    not allowed, as on managed services) is not asked again; one out of
+    reach is asked again next time.
+    """
+    if client in _policy_checked:
+        return
+    _policy_checked.add(client)
+    try:
+        maxmemory, policy = await transaction(
+            client, key, ("CONFIG", "GET", "maxmemory"), ("CONFIG", "GET", "maxmemory-policy")
+        )
+    except ResponseError as error:
+        logger.debug("could not read the eviction policy of Redis: %s", error)
+        return
+    except redis.RedisError:
+        _policy_checked.discard(client)
+        return
+    policy_name = _config_value(policy)
+    if int(_config_value(maxmemory) or 0) > 0 and policy_name not in ("", "noeviction"):
+        logger.warning(
+            "Redis evicts keys when it reaches maxmemory (maxmemory-policy %s): it may delete aiosem's "
+            "permits and then grant more than a limit; set maxmemory-policy noeviction",
+            policy_name,
+        )
+
+
+def _config_value(reply: Any) -> str:
+    """The value of a one-parameter CONFIG GET reply: a flat list in RESP2, a map in RESP3."""
+    values = list(reply.values()) if isinstance(reply, dict) else list(reply)[1::2]
+    return text(values[0]) if values else ""

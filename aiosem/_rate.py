@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 
+from ._connection import check_eviction_policy
 from ._exceptions import AcquireTimeout
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
@@ -172,6 +173,7 @@ class AsyncRateLimiter:
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         started = time.monotonic()
+        await check_eviction_policy(self._client, self._key)
         if not blocking:
             granted, _, _ = await self._run("try", "")
         else:

@@ -31,7 +31,16 @@ from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 import anyio
 import redis
 
-from ._connection import REDIRECTS, Client, check_cluster_support, reroute, scored, text, transaction
+from ._connection import (
+    REDIRECTS,
+    Client,
+    check_cluster_support,
+    check_eviction_policy,
+    reroute,
+    scored,
+    text,
+    transaction,
+)
 from ._coordination import Lane, Submission, raise_if_cancel_swallowed, subscriber_of
 from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
 from ._holding import Hold, Refresher
@@ -690,6 +699,7 @@ class _Semaphore(ABC):
             wait = 0.0
         self._bind()
         started = time.monotonic()
+        await check_eviction_policy(self._client, self._keys.base)
         taken = await self._wait_for_permit(wait)
         if taken is None:
             emit("timed_out", "semaphore", self._name, time.monotonic() - started)

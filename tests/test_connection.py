@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import pytest
 import redis.asyncio
 
-from aiosem import AsyncLockedSemaphore
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import Command, PinnedConnection
 
 if TYPE_CHECKING:
@@ -39,3 +40,26 @@ async def test_a_client_with_another_encoding_stores_its_keys_in_that_encoding(r
     assert await client.exists("aiosem:{encoded-café}:owner".encode()) == 0
     assert await sem.release(permit)
     await client.aclose()
+
+
+async def test_a_server_that_will_not_tell_its_eviction_policy_is_used_without_a_warning(
+    fresh_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = fresh_redis_server.client()
+    await admin.config_set("maxmemory", 1 << 30)
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    # A user without CONFIG, as on managed services: the check is skipped, not failed.
+    await admin.acl_setuser(
+        "app", enabled=True, passwords=["+app"], keys=["*"], channels=["*"], commands=["+@all", "-config"]
+    )
+    client = fresh_redis_server.client(username="app", password="app")
+    with caplog.at_level(logging.DEBUG, logger="aiosem"):
+        sem = AsyncFairSemaphore(client, "policy", 1)
+        permit = await sem.acquire()
+        assert permit is not None
+        assert await sem.release(permit)
+        await sem.aclose()
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert any("could not read the eviction policy" in record.getMessage() for record in caplog.records)
+    await client.aclose()
+    await admin.aclose()
