@@ -25,6 +25,8 @@ from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
+from ._timing import SHORTEST_STEP_BOUND, Bound
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
@@ -191,11 +193,17 @@ async def transaction(client: Client, key: str, *commands: Command) -> list[Any]
     nothing, and is tried again on the slot's owner (at most
     `MOST_REDIRECTS` times). A pooled connection the server closed meanwhile
     -- it restarted, say -- fails its first use; as redis-py's own commands
-    do, the transaction is tried once more on a new one.
+    do, the transaction is tried once more on a new one. All of it is
+    bounded to 5 s, so that a stalled connection cannot hang it.
 
     Raises:
         redis.RedisError: Redis failed or could not be reached.
     """
+    with Bound(SHORTEST_STEP_BOUND, "a read-only transaction"):
+        return await _transaction(client, key, commands)
+
+
+async def _transaction(client: Client, key: str, commands: tuple[Command, ...]) -> list[Any]:
     attempt = 0
     while True:
         try:

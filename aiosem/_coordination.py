@@ -22,7 +22,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 
-from ._connection import REDIRECTS, reroute, text
+from ._connection import REDIRECTS, reroute
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +45,10 @@ P = TypeVar("P", bound="_PerLoop")
 _SUBSCRIBE_TIMEOUT: Final = 5.0
 #: How often an idle subscriber looks for semaphores that are gone.
 _PRUNE_INTERVAL: Final = 1.0
+#: How long the pub/sub connection may stay silent before it is asked for a
+#: PONG: a connection stalled without closing delivers nothing and fails
+#: nothing, and only an unanswered PING tells.
+_PROBE_AFTER: Final = 5.0
 #: Pauses between reconnection attempts grow by this much, up to the longest.
 _RECONNECT_PAUSE: Final = 0.05
 _LONGEST_RECONNECT_PAUSE: Final = 1.0
@@ -194,6 +198,7 @@ class Subscriber(_PerLoop):
     __slots__ = (
         "__weakref__",
         "_client",
+        "_encoder",
         "_handlers",
         "_kinds",
         "_loop",
@@ -208,6 +213,8 @@ class Subscriber(_PerLoop):
     def __init__(self, client: Redis, on_dropped: Callable[[dict[str, Handler]], None] | None = None) -> None:
         self._client = client
         self._pubsub: PubSub = client.pubsub()
+        # Channels come back as the client encoded them, which may not be UTF-8.
+        self._encoder = client.get_encoder()  # type: ignore[no-untyped-call]
         self._kinds = _CLASSIC if on_dropped is None else _SHARDED
         self._on_dropped = on_dropped
         self._loop = asyncio.get_running_loop()
@@ -287,6 +294,7 @@ class Subscriber(_PerLoop):
         failures = 0
         task = asyncio.current_task()
         pubsub = self._pubsub
+        heard, probed = self._loop.time(), None
         try:
             while self._handlers and self._pubsub is pubsub:
                 raise_if_cancel_swallowed(task)
@@ -310,10 +318,18 @@ class Subscriber(_PerLoop):
                     await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
                     continue
                 failures = 0
-                if message is None:
-                    await self._prune()
-                else:
+                if message is not None:
+                    heard, probed = self._loop.time(), None
                     await self._deliver(message)
+                    continue
+                await self._prune()
+                now = self._loop.time()
+                if probed is not None and now - probed >= _SUBSCRIBE_TIMEOUT:
+                    await self._close_stalled(pubsub)
+                    heard, probed = now, None
+                elif probed is None and now - heard >= _PROBE_AFTER:
+                    await self._ping(pubsub)
+                    probed = now
         finally:
             # A subscribe made while this closes must not lose its connection:
             # it gets a new pub/sub object, and this one is closed alone.
@@ -327,8 +343,25 @@ class Subscriber(_PerLoop):
                 except redis.RedisError:
                     logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
 
+    async def _ping(self, pubsub: PubSub) -> None:
+        """Ask a connection silent for a while for a PONG, which the reader takes as any message."""
+        with anyio.move_on_after(_SUBSCRIBE_TIMEOUT):
+            async with self._sending:
+                await pubsub.ping()
+
+    async def _close_stalled(self, pubsub: PubSub) -> None:
+        """Close a connection that never answered its PING.
+
+        redis-py connects again at the next read and subscribes to every
+        channel anew (on a cluster node, the read fails instead, and the
+        channels are subscribed wherever their slots now are).
+        """
+        logger.warning("aiosem's pub/sub connection stopped answering; reconnecting")
+        if pubsub.connection is not None:
+            await pubsub.connection.disconnect(nowait=True)
+
     async def _deliver(self, message: dict[str, Any]) -> None:
-        channel = text(message["channel"])
+        channel = self._text(message["channel"])
         ready = self._ready.get(channel)
         kind = message["type"]
         if kind == self._kinds.subscribe and ready is not None and not ready.done():
@@ -337,7 +370,7 @@ class Subscriber(_PerLoop):
             handler = self._handlers.get(channel)
             method = None if handler is None else handler()
             if method is not None:
-                method(text(message["data"]))
+                method(self._text(message["data"]))
         elif kind == self._kinds.unsubscribe and self._on_dropped is not None and ready is not None:
             # Not asked for (those leave `_ready` first): the slot moved to
             # another node, whose subscriber takes the channel over. redis-py
@@ -345,6 +378,12 @@ class Subscriber(_PerLoop):
             async with self._sending:
                 await self._pubsub.sunsubscribe(channel)
             self._drop([channel])
+
+    def _text(self, value: Any) -> str:
+        """A channel or message as a str, decoded as the client encodes."""
+        if isinstance(value, bytes):
+            return value.decode(self._encoder.encoding, self._encoder.encoding_errors)
+        return str(value)
 
     def _drop(self, channels: Sequence[str]) -> None:
         assert self._on_dropped is not None  # noqa: S101 -- only a cluster node's subscriber drops channels

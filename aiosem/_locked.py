@@ -16,6 +16,7 @@ from ._connection import Client, Command, PinnedConnection, pinned_connection, p
 from ._coordination import Lane, Submission
 from ._observing import log_fields
 from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
+from ._timing import Bound
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
@@ -120,7 +121,8 @@ class AsyncLockedSemaphore(_Semaphore):
         # A waiter's place is taken when it arrives, before it meets the lock:
         # however long the lock keeps it, nobody who came later gets ahead.
         # The tickets of a process's concurrent arrivals are drawn together.
-        (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
+        with Bound(self._step_bound, f"drawing a ticket of semaphore {self._name!r}"):
+            (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
         self._tickets[identifier.encode()] = ticket
 
     async def _draw_tickets(self, identifiers: Sequence[str]) -> _Tickets:

@@ -15,6 +15,7 @@ from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
+from ._timing import SHORTEST_STEP_BOUND, Bound
 from ._validation import check_burst, check_interval, check_name, check_now, check_positive, check_wait
 
 if TYPE_CHECKING:
@@ -137,9 +138,10 @@ class AsyncRateLimiter:
     async def _run(self, mode: str, argument: str) -> tuple[bool, float, int]:
         now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
-        granted, wait, tat = await RATE_ACQUIRE.run(
-            self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
-        )
+        with Bound(SHORTEST_STEP_BOUND, f"a step of rate limiter {self._name!r}"):
+            granted, wait, tat = await RATE_ACQUIRE.run(
+                self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
+            )
         return int(granted) == 1, int(wait) / _MICROSECONDS, int(tat)
 
     async def acquire(self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT) -> bool:

@@ -4,7 +4,9 @@ A script is plain data -- its source and SHA1 -- and never bound to a client
 or an event loop, so one module-level instance serves every client. The
 first call on a server that has not seen a script (or has flushed its cache,
 or received the slot in a migration) gets NOSCRIPT and falls back to EVAL,
-which also loads the script for the calls after it.
+which also loads the script for the calls after it. On one server the
+fallback loads every other script too, in the same round trip, so that the
+first refresh of a new holder does not pay a second one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoScriptError
 
-from ._connection import Client, pinned_connection
+from ._connection import Client, is_cluster, pinned_connection
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -49,7 +51,15 @@ class Script:
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
+            if is_cluster(client):
+                return await client.eval(self.source, len(keys), *keys, *args)
+            async with client.pipeline(transaction=False) as pipe:
+                for script in ALL_SCRIPTS:
+                    if script is not self:
+                        pipe.script_load(script.source)
+                pipe.eval(self.source, len(keys), *keys, *args)
+                *_, reply = await pipe.execute()
+            return reply
 
     async def run_replicated(
         self, client: Client, keys: Sequence[str], args: Sequence[str | int], replicas: int, timeout_ms: int

@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 import anyio
 import redis
@@ -46,7 +46,7 @@ from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLos
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
-from ._timing import Backoff, Deadline
+from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound, Deadline
 from ._validation import check_limit, check_name, check_now, check_replicas, check_timeout, check_wait
 
 if TYPE_CHECKING:
@@ -77,8 +77,16 @@ _RETRY_PAUSE: Final = 0.05
 #: What a step answers for an acquire refused because the semaphore is in
 #: use with another limit.
 LIMIT_MISMATCH: Final = -3
-#: The least time a step is given before it is presumed stalled (at least a lease).
-_SHORTEST_STEP_BOUND: Final = 5.0
+
+
+#: Steps cut short, still unwinding (a task must be referenced to run).
+_UNWINDING: set[asyncio.Task[Any]] = set()
+
+
+def _unwound(step: asyncio.Task[Any]) -> None:
+    _UNWINDING.discard(step)
+    if not step.cancelled():
+        step.exception()  # retrieved: its failure only mattered to the round that gave up on it
 
 
 class _Default(enum.Enum):
@@ -326,6 +334,11 @@ class _Semaphore(ABC):
         """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
         return self._replicas if operation != "release" and mode != "count" else 0
 
+    @property
+    def _step_bound(self) -> float:
+        """How long one step may take before it is presumed stalled: a lease, and at least 5 s."""
+        return max(self._timeout, SHORTEST_STEP_BOUND)
+
     def _now(self) -> float | None:
         return None if self._clock is None else check_now(self._clock(), "clock()")
 
@@ -400,7 +413,7 @@ class _Semaphore(ABC):
         """
         redirect: Exception | None = None
         try:
-            with anyio.fail_after(max(self._timeout, _SHORTEST_STEP_BOUND)):
+            with Bound(self._step_bound, f"a {operation} step of semaphore {self._name!r}"):
                 for attempt in itertools.count():
                     try:
                         reply = await self._execute(operation, mode, identifiers)
@@ -409,10 +422,10 @@ class _Semaphore(ABC):
                         await reroute(self._client, error, attempt)
                         continue
                     break
-        except TimeoutError:
-            raise redis.TimeoutError(
-                f"a {operation} step of semaphore {self._name!r} took longer than its lease; given up"
-            ) from redirect
+        except redis.TimeoutError as error:
+            if redirect is None:
+                raise
+            raise error from redirect  # on a cluster, why it took so long: the slot kept moving
         if reply is not None and reply.replicated is not None and reply.replicated < self._replicas:
             raise NotReplicated(name=self._name, replicas=self._replicas, acknowledged=reply.replicated)
         return reply
@@ -878,29 +891,18 @@ class _Semaphore(ABC):
 
         Called by the event loop's `Refresher`. A failure is retried after a
         growing pause, never later than the earliest lease could run out;
-        a hold whose lease may have run out meanwhile is lost. The step is
-        cut short at that moment too, so a stalled connection cannot keep a
-        holder from hearing of it.
+        a hold whose lease may have run out meanwhile is lost. A slow step
+        is waited for until that moment, however slow: Redis may have
+        restarted the leases. A step still stalled then is left to unwind in
+        the background (the locked step frees its lock), so that its holders
+        hear of their loss at once.
         """
         loop = asyncio.get_running_loop()
         holds = list(self._holds.values())
         if not holds:
             return None
         sent = loop.time()
-        earliest_end = min(hold.confirmed_at + hold.lease for hold in holds)
-        values: Sequence[int] | None = None
-        with anyio.move_on_after(max(0.0, min(self._refresh_interval, earliest_end - sent))):
-            try:
-                values, _ = await self._submit("refresh", "", [hold.permit.identifier for hold in holds])
-            except Exception:
-                self._refresh_failures += 1
-                if self._refresh_failures == 1:
-                    logger.warning(
-                        "refreshing the permits held through %r failed; retrying",
-                        self,
-                        exc_info=True,
-                        extra=log_fields(self._name),
-                    )
+        values = await self._refresh_step(holds, until=min(hold.confirmed_at + hold.lease for hold in holds))
         now = loop.time()
         for index, hold in enumerate(holds):
             if self._holds.get(hold.permit.identifier) is not hold:
@@ -922,6 +924,34 @@ class _Semaphore(ABC):
             return min(now + pause, next_round, *(h.confirmed_at + h.lease for h in self._holds.values()))
         self._refresh_failures = 0
         return next_round
+
+    async def _refresh_step(self, holds: list[Hold], until: float) -> Sequence[int] | None:
+        """Refresh ``holds`` in one step, waited for until ``until`` (loop time); ``None`` if it failed or stalled."""
+        loop = asyncio.get_running_loop()
+        step = loop.create_task(
+            self._submit("refresh", "", [hold.permit.identifier for hold in holds]), name="aiosem refresh"
+        )
+        try:
+            with anyio.move_on_after(max(0.0, until - loop.time())):
+                try:
+                    values, _ = await asyncio.shield(step)
+                except Exception:
+                    self._refresh_failures += 1
+                    if self._refresh_failures == 1:
+                        logger.warning(
+                            "refreshing the permits held through %r failed; retrying",
+                            self,
+                            exc_info=True,
+                            extra=log_fields(self._name),
+                        )
+                else:
+                    return values
+        finally:
+            if not step.done():
+                step.cancel()
+                _UNWINDING.add(step)
+                step.add_done_callback(_unwound)
+        return None
 
     async def aclose(self) -> None:
         """Give back every permit kept alive through this object, and stop its background work.

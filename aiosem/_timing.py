@@ -1,10 +1,18 @@
-"""Deadlines and polling back-off, shared by every loop that waits."""
+"""Deadlines, bounds and polling back-off, shared by every loop that waits."""
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING, Final
 
 import anyio
+import redis
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+#: The least time a call to Redis is given before it is presumed stalled.
+SHORTEST_STEP_BOUND: Final = 5.0
 
 #: The first pause of a polling loop, and the longest.
 _FIRST_PAUSE = 0.001
@@ -51,3 +59,32 @@ class Backoff:
         if remaining is not None:
             pause = min(pause, remaining)
         await anyio.sleep(pause)
+
+
+class Bound:
+    """A bound on calls to Redis, so that a stalled connection cannot hang them.
+
+    A client with no ``socket_timeout`` waits for ever on a connection that
+    stalls without closing; past ``seconds``, the block is cancelled and
+    `redis.TimeoutError` raised, naming ``what``.
+
+        with Bound(5.0, "a step of semaphore 'db'"):
+            await client.evalsha(...)
+    """
+
+    __slots__ = ("_scope", "_seconds", "_what")
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self._seconds = seconds
+        self._what = what
+        self._scope = anyio.move_on_after(seconds)
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._scope.__exit__(exc_type, exc, traceback)
+        if self._scope.cancelled_caught:
+            raise redis.TimeoutError(f"{self._what} got no answer within {self._seconds:g} s; given up")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import Command, PinnedConnection
+from tests.support import until_queued
 
 if TYPE_CHECKING:
     from tests.support import RedisServer
@@ -45,7 +47,7 @@ async def test_a_client_with_another_encoding_stores_its_keys_in_that_encoding(r
 async def test_a_server_that_will_not_tell_its_eviction_policy_is_used_without_a_warning(
     fresh_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    admin = fresh_redis_server.client()
+    admin = fresh_redis_server.admin_client()
     await admin.config_set("maxmemory", 1 << 30)
     await admin.config_set("maxmemory-policy", "allkeys-lru")
     # A user without CONFIG, as on managed services: the check is skipped, not failed.
@@ -63,3 +65,25 @@ async def test_a_server_that_will_not_tell_its_eviction_policy_is_used_without_a
     assert any("could not read the eviction policy" in record.getMessage() for record in caplog.records)
     await client.aclose()
     await admin.aclose()
+
+
+async def test_a_client_with_another_encoding_is_woken_by_message(redis_server: RedisServer) -> None:
+    waiter_client, holder_client = (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port, encoding="latin-1") for _ in range(2)
+    )
+    # Re-checks every 10 s: a waiter woken sooner was woken by its channel, named in latin-1.
+    waiter_side = AsyncFairSemaphore(waiter_client, "woken-café", 1, timeout=60, waiter_timeout=30)
+    holder_side = AsyncFairSemaphore(holder_client, "woken-café", 1, timeout=60, waiter_timeout=30)
+    held = await holder_side.acquire()
+    assert held is not None
+    waiting = asyncio.create_task(waiter_side.acquire(blocking_timeout=5))
+    try:
+        await until_queued(holder_side)
+        await holder_side.release(held)
+        permit = await waiting
+        assert permit is not None
+        await waiter_side.release(permit)
+    finally:
+        await waiter_side.aclose()
+        await waiter_client.aclose()
+        await holder_client.aclose()

@@ -241,6 +241,12 @@ local function aiosem_run(operation, hand_off_first)
   if state.publish ~= 'PUBLISH' and state.publish ~= 'SPUBLISH' then
     return redis.error_reply('ERR aiosem: ARGV[7] must be PUBLISH or SPUBLISH')
   end
+  -- The first write drops spent tombstones. It must come first and never
+  -- grow memory: Redis refuses a script over maxmemory (noeviction) only
+  -- at a memory-growing write made before any other write, so every step
+  -- -- a refresh too, not only acquires and releases -- runs whole or not
+  -- at all, and a full server never takes its holders' leases from them.
+  redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
   state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
   state.queued = aiosem_reap_waiters(state.now)
   local granted = {}
