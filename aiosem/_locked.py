@@ -378,6 +378,11 @@ class _Plan:
             self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
         if not self.owners and self.queue_size == 0:
             self.writes.append(("DEL", keys.limit))
+        else:
+            # As the scripts' aiosem_expire_permits: a day, or two leases.
+            permits_ms = max(_COUNTER_TTL_MS, math.ceil(self.lease * 2000))
+            for key in (keys.timeout_set, keys.owner_set, keys.limit):
+                self.writes += [("PEXPIRE", key, permits_ms, "NX"), ("PEXPIRE", key, permits_ms, "GT")]
         earliest = min(self.leases.values(), default=None)
         return Reply(
             holders=len(self.owners),

@@ -24,7 +24,9 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import redis.asyncio
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialWithJitterBackoff
 
 if TYPE_CHECKING:
     from ._connection import Client
@@ -79,6 +81,7 @@ def connect(url: str) -> Client:
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
     if scheme in SENTINEL_SCHEMES:
         sentinels, service, options, sentinel_options = _sentinel_arguments(url, "url")
+        options.setdefault("retry", _retry())
         sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
         client: redis.asyncio.Redis = sentinel.master_for(service)
         _sentinels[client] = sentinel
@@ -89,8 +92,22 @@ def connect(url: str) -> Client:
         timeout=POOL_TIMEOUT,
         socket_timeout=SOCKET_TIMEOUT,
         socket_connect_timeout=SOCKET_TIMEOUT,
+        retry=_retry(),
     )
     return redis.asyncio.Redis(connection_pool=pool)
+
+
+def _retry() -> Retry:
+    """Send a command again, on a new connection, when its connection failed.
+
+    A pool given to a client replaces redis-py's default retry with none:
+    after a Redis restart, every pooled connection would fail its first
+    command, and a release failing so would keep its permit until its lease
+    ran out. Each aiosem step may run twice: a retried acquire finds its own
+    permit, a retried refresh or release changes nothing more. (A cluster
+    client keeps its own retries.)
+    """
+    return Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), 3, supported_errors=(redis.ConnectionError,))
 
 
 async def close(client: Client) -> None:

@@ -192,8 +192,7 @@ local EXPIRE_MARGIN_MS = 1000
 local EXPIRE_SLACK_MS = 500
 
 -- The queue's keys expire once no waiter in them can still be alive; called
--- by every step that queues a waiter or proves one alive. (The permit sets
--- get no TTL: a book client's write would not extend it.) A TTL is only
+-- by every step that queues a waiter or proves one alive. A TTL is only
 -- ever lengthened, so a caller with a shorter waiter timeout never cuts
 -- another's waiters short.
 local function aiosem_expire(waiter_ttl)
@@ -202,6 +201,21 @@ local function aiosem_expire(waiter_ttl)
     local ttl = redis.call('PTTL', key)
     if ttl == -1 or (ttl >= 0 and ttl < waiter_ms - EXPIRE_SLACK_MS) then
       redis.call('PEXPIRE', key, waiter_ms)
+    end
+  end
+end
+
+-- The permit sets and the limit outlive the last step by a day (or two
+-- leases, if longer), as the counter does: a holder that died and a name
+-- never used again leave nothing for ever. A book client's writes extend no
+-- TTL: its permits stay covered as long as some aiosem step touches the
+-- name once a day.
+local function aiosem_expire_permits(lease)
+  local permits_ms = math.max(COUNTER_TTL_MS, math.ceil(lease * 2000))
+  for _, key in ipairs({TIMEOUTS, OWNERS, LIMIT}) do
+    local ttl = redis.call('PTTL', key)
+    if ttl == -1 or (ttl >= 0 and ttl < permits_ms / 2) then
+      redis.call('PEXPIRE', key, permits_ms)
     end
   end
 end
@@ -275,6 +289,8 @@ local function aiosem_run(operation, hand_off_first)
   if state.holders == 0 and state.queued == 0 then
     -- Idle: whoever comes next may bring another limit.
     redis.call('DEL', LIMIT)
+  else
+    aiosem_expire_permits(state.lease)
   end
   local reply = aiosem_header(state)
   for _, result in ipairs(results) do
