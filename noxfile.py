@@ -61,3 +61,10 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_rate.py", "--json", "benchmarks/results/rate.json")
     session.run("python", "benchmarks/bench_failover.py", "--json", "benchmarks/results/failover.json")
     session.run("python", "benchmarks/plots.py")
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Ten minutes of 8 processes, a holder SIGKILLed every 30 s, Redis restarted every 2 minutes."""
+    session.install("-e", ".")
+    session.run("python", "benchmarks/bench_soak.py", "--json", "benchmarks/results/soak.json", *session.posargs)

@@ -114,7 +114,8 @@ class Rate(NamedTuple):
 class Settings:
     """What `configure` set; replaced whole by each call, never changed in place."""
 
-    url: str | None = None
+    #: Not in the repr: it may hold a password.
+    url: str | None = field(default=None, repr=False)
     client: Client | None = None
     prefix: str = "aiosem"
     timeout: float = 10.0

@@ -81,7 +81,6 @@ def connect(url: str) -> Client:
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
     if scheme in SENTINEL_SCHEMES:
         sentinels, service, options, sentinel_options = _sentinel_arguments(url, "url")
-        options.setdefault("retry", _retry())
         sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
         client: redis.asyncio.Redis = sentinel.master_for(service)
         _sentinels[client] = sentinel
@@ -104,8 +103,9 @@ def _retry() -> Retry:
     after a Redis restart, every pooled connection would fail its first
     command, and a release failing so would keep its permit until its lease
     ran out. Each aiosem step may run twice: a retried acquire finds its own
-    permit, a retried refresh or release changes nothing more. (A cluster
-    client keeps its own retries.)
+    permit, a retried refresh or release changes nothing more. (Cluster and
+    Sentinel clients keep redis-py's own ways: a cluster client retries by
+    itself, and a Sentinel one finds the master again on its next command.)
     """
     return Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), 3, supported_errors=(redis.ConnectionError,))
 
@@ -178,7 +178,9 @@ def _sentinel_arguments(url: str, argument: str) -> tuple[list[tuple[str, int]],
         if not db.isdigit():
             raise ValueError(f"{argument}: the database after the service must be a number")
         options["db"] = int(db)
-    shared = ("socket_timeout", "socket_connect_timeout", "ssl")
-    sentinel_options: dict[str, Any] = {key: options[key] for key in shared if key in options}
+    # The sentinels are reached as the master is: same timeouts, same TLS (CA, certificate, checks).
+    sentinel_options: dict[str, Any] = {
+        key: value for key, value in options.items() if key.startswith(("ssl", "socket_"))
+    }
     sentinel_options.update((key.removeprefix("sentinel_"), value) for key, value in query if key in own)
     return sentinels, service, options, sentinel_options

@@ -4,12 +4,17 @@ Each server runs on a free loopback port, in a temporary directory, and is
 stopped by its PID. The binary is ``$AIOSEM_REDIS_SERVER`` or
 ``redis-server`` on ``PATH``; without one the real-server tests skip with one
 message, except under CI (``CI`` set), where they fail.
+
+With ``AIOSEM_TEST_ACL=1`` the servers' URLs and clients -- a cluster's and a
+Sentinel-managed master's too -- authenticate as a user with aiosem's
+commands only (see tests/support.py), the set-up that needs more uses
+`admin_client`, and a test fails if any server refused that user anything.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fakeredis
 import pytest
@@ -18,14 +23,31 @@ from redis.asyncio.cluster import RedisCluster
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import check_cluster_support
 from tests.proxy import TcpProxy
-from tests.support import FakeClock, RedisServer, find_redis_server
-from tests.topology import RedisClusterGroup, SentinelGroup
+from tests.support import ACL_MODE, SUITE_USER, FakeClock, RedisServer, find_redis_server, flushed_client, unrestricted
+from tests.topology import RedisClusterGroup, SentinelGroup, SentinelMasterClient
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
     import redis.asyncio
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "unrestricted: in the ACL mode, the test's `client` and `real_client` are the unrestricted admin"
+        " (a test that plays another Redis client, such as the book's)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not ACL_MODE:
+        return
+    reason = "the ACL mode restricts aiosem's user; these tests check the test topologies themselves, as admin"
+    for item in items:
+        if item.path.name == "test_topology.py":
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
@@ -57,10 +79,31 @@ def fresh_redis_server(redis_binary: str, tmp_path: Path) -> Iterator[RedisServe
     server.stop()
 
 
+@pytest.fixture(autouse=True)
+def _acl_audit() -> Iterator[None]:
+    """In the ACL mode, fail a test during which a server refused the restricted user anything."""
+    yield
+    if ACL_MODE:
+        denials = RedisServer.take_denials()
+        if denials:
+            pytest.fail("refused by the ACL: " + "; ".join(denials), pytrace=False)
+
+
 @pytest.fixture
-async def real_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis_server.client()
-    await client.flushdb()
+async def real_client(redis_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.Redis]:
+    client = await flushed_client(redis_server, admin=_unrestricted(request))
+    yield client
+    await client.aclose()
+
+
+def _unrestricted(request: pytest.FixtureRequest) -> bool:
+    return request.node.get_closest_marker("unrestricted") is not None
+
+
+@pytest.fixture
+async def admin_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """An unrestricted client of the session's server, for tests that reconfigure it or poke at its keys."""
+    client = redis_server.admin_client()
     yield client
     await client.aclose()
 
@@ -69,13 +112,18 @@ async def real_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.
 async def client(request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.Redis]:
     """A client of a real server (flushed) and of fakeredis: every backend test runs on both."""
     if request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        connection = server.client()
-        await connection.flushdb()
+        connection = await flushed_client(request.getfixturevalue("redis_server"), admin=_unrestricted(request))
     else:
         connection = fakeredis.FakeAsyncRedis()
     yield connection
     await connection.aclose()
+
+
+@pytest.fixture
+async def client_admin(client: redis.asyncio.Redis) -> AsyncIterator[redis.asyncio.Redis]:
+    """An unrestricted client of `client`'s backend, for tests that inspect it with more than aiosem's commands."""
+    async with unrestricted(client) as admin:
+        yield admin
 
 
 @pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
@@ -104,11 +152,40 @@ def _skip_without_cluster_support() -> None:
         pytest.skip(str(error))
 
 
+class _RestrictedCluster(RedisClusterGroup):
+    """A cluster whose URL and clients authenticate as the ACL mode's user, on every node."""
+
+    @property
+    def url(self) -> str:
+        return super().url.replace("://", f"://{SUITE_USER.credentials()}", 1)
+
+    def client(self, **options: Any) -> RedisCluster:
+        return super().client(**{"username": SUITE_USER.name, "password": SUITE_USER.password, **options})
+
+
+class _RestrictedSentinelGroup(SentinelGroup):
+    """A Sentinel group whose URL and clients authenticate to the master as the ACL mode's user.
+
+    The sentinels themselves are not restricted: the URL's credentials are the master's.
+    """
+
+    @property
+    def url(self) -> str:
+        return super().url.replace("://", f"://{SUITE_USER.credentials()}", 1)
+
+    def client(self, **options: Any) -> SentinelMasterClient:
+        return super().client(**{"username": SUITE_USER.name, "password": SUITE_USER.password, **options})
+
+
+_Cluster = _RestrictedCluster if ACL_MODE else RedisClusterGroup
+_SentinelGroup = _RestrictedSentinelGroup if ACL_MODE else SentinelGroup
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterGroup]:
     """Three cluster masters for the session; tests may move slots, and leave the cluster settled."""
     _skip_without_cluster_support()
-    with RedisClusterGroup(redis_binary, tmp_path_factory.mktemp("cluster")) as group:
+    with _Cluster(redis_binary, tmp_path_factory.mktemp("cluster")) as group:
         yield group
 
 
@@ -122,7 +199,7 @@ async def cluster_client(redis_cluster: RedisClusterGroup) -> AsyncIterator[Redi
 @pytest.fixture
 def sentinel_group(redis_binary: str, tmp_path: Path) -> Iterator[SentinelGroup]:
     """A master, a replica and three sentinels of the test's own: tests fail the master over."""
-    with SentinelGroup(redis_binary, tmp_path / "sentinel") as group:
+    with _SentinelGroup(redis_binary, tmp_path / "sentinel") as group:
         yield group
 
 
@@ -140,5 +217,5 @@ def topology_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def steady_sentinel_group(redis_binary: str, tmp_path: Path) -> Iterator[SentinelGroup]:
     """A sentinel group that fails over only when told: a master busy for a second is not judged down."""
-    with SentinelGroup(redis_binary, tmp_path / "sentinel", down_after_ms=10_000) as group:
+    with _SentinelGroup(redis_binary, tmp_path / "sentinel", down_after_ms=10_000) as group:
         yield group

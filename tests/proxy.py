@@ -12,7 +12,11 @@ and the bytes of each direction -- *requests* (client to server) and
   `release_replies` forward what was held, in order;
 - `TcpProxy.drop` closes every connection open now, abruptly (RST);
 - `TcpProxy.blackhole` stalls the connections open now: nothing more is
-  forwarded in either direction, and nothing is closed.
+  forwarded in either direction, and nothing is closed;
+- `TcpProxy.partition` stalls every connection, open now or opened later
+  (a client still connects: the proxy accepts it, as a host whose replies
+  are lost would seem to), until `TcpProxy.heal` lets new connections
+  through again.
 
 A client that closes while its bytes are held behaves as it would on a real
 network: what it sent before closing still reaches the server, first, once
@@ -251,6 +255,7 @@ class TcpProxy:
         "_errors",
         "_listener",
         "_open",
+        "_partitioned",
         "_pending",
         "_tasks",
         "_upstream",
@@ -268,6 +273,7 @@ class TcpProxy:
         self._delays: dict[Literal["requests", "replies"], float] = {"requests": 0.0, "replies": 0.0}
         self._changed = asyncio.Event()
         self._errors: list[BaseException] = []
+        self._partitioned = False
         #: Connections accepted so far.
         self.accepted = 0
         #: Connections that ended so far: both directions done, dropped, or shut down.
@@ -442,6 +448,15 @@ class TcpProxy:
             connection.replies.blackhole()
         self._notify()
 
+    def partition(self) -> None:
+        """Stall every connection, those open now and those opened later, until `heal`."""
+        self._partitioned = True
+        self.blackhole()
+
+    def heal(self) -> None:
+        """Let connections opened from now on through; those stalled by `partition` stay stalled."""
+        self._partitioned = False
+
     # --- connections ------------------------------------------------------------
 
     def _accept(self, listener: socket.socket) -> None:
@@ -476,6 +491,9 @@ class TcpProxy:
             return
         connection = _Connection(client, upstream, delays=self._delays, notify=self._notify)
         connection.task = cast("asyncio.Task[None]", asyncio.current_task())
+        if self._partitioned:
+            connection.requests.blackhole()
+            connection.replies.blackhole()
         self._open.add(connection)
         self._notify()
         try:

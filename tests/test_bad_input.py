@@ -42,7 +42,7 @@ from aiosem import (
 )
 from aiosem._keys import escape_name
 from tests.limiting import close_and_settle, isolate
-from tests.support import two_processes, until_queued
+from tests.support import two_processes, unrestricted, until_queued
 from tests.test_keys import hash_tag
 
 if TYPE_CHECKING:
@@ -134,6 +134,11 @@ Keyspace = dict[bytes, tuple[bytes | None, int]]
 
 async def keyspace(client: redis.asyncio.Redis) -> Keyspace:
     """Every key with its serialized value (type and content) and its absolute expiry in ms (-1: none)."""
+    async with unrestricted(client) as admin:
+        return await _keyspace(admin)
+
+
+async def _keyspace(client: redis.asyncio.Redis) -> Keyspace:
     keys = [key async for key in client.scan_iter(count=1000)]
     async with client.pipeline(transaction=False) as pipe:
         for key in keys:
@@ -243,9 +248,9 @@ async def semaphore_keys(client: redis.asyncio.Redis) -> set[bytes]:
 @FUZZ
 @given(name=usable_names)
 async def test_any_usable_name_works_on_the_server_under_its_one_hash_tag(
-    real_client: redis.asyncio.Redis, cls: SemaphoreClass, name: str
+    real_client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis, cls: SemaphoreClass, name: str
 ) -> None:
-    await real_client.flushdb()
+    await admin_client.flushdb()
     sem = cls(real_client, name, 1)
     try:
         with anyio.fail_after(10):
@@ -264,10 +269,10 @@ async def test_any_usable_name_works_on_the_server_under_its_one_hash_tag(
 @FUZZ
 @given(first=usable_names, second=usable_names)
 async def test_two_names_never_share_a_key_or_a_hash_tag(
-    real_client: redis.asyncio.Redis, cls: SemaphoreClass, first: str, second: str
+    real_client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis, cls: SemaphoreClass, first: str, second: str
 ) -> None:
     assume(first != second)
-    await real_client.flushdb()
+    await admin_client.flushdb()
     one, other = cls(real_client, first, 1), cls(real_client, second, 1)
     assert await one.acquire(blocking=False) is not None
     keys_of_first = await semaphore_keys(real_client)

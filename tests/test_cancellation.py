@@ -52,9 +52,9 @@ async def proxied(proxy: TcpProxy) -> AsyncIterator[redis.asyncio.Redis]:
 
 
 @pytest.fixture
-def direct(real_client: redis.asyncio.Redis) -> redis.asyncio.Redis:
-    """A client of the same server that bypasses the proxy (the database is flushed)."""
-    return real_client
+def direct(real_client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis) -> redis.asyncio.Redis:
+    """An unrestricted client of the same server that bypasses the proxy (the database is flushed)."""
+    return admin_client
 
 
 # --- helpers ------------------------------------------------------------------------

@@ -389,7 +389,7 @@ def test_redact_shows_no_part_of_any_password(template: str, password: str) -> N
 
 
 async def test_a_password_is_never_printed(fresh_redis_server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
-    admin = fresh_redis_server.client()
+    admin = fresh_redis_server.admin_client()
     name = unique("auth")
     try:
         semaphore = AsyncFairSemaphore(admin, name, 1)

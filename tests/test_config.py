@@ -328,14 +328,14 @@ async def test_aclose_closes_the_clients_aiosem_created(redis_server: RedisServe
     assert not state().clients
 
 
-async def test_aclose_leaves_the_clients_it_was_given_open(real_client: redis.asyncio.Redis) -> None:
-    aiosem.configure(client=real_client)
+async def test_aclose_leaves_the_clients_it_was_given_open(admin_client: redis.asyncio.Redis) -> None:
+    aiosem.configure(client=admin_client)
     async with limiter("api", 1):
         pass
-    async with real_client.client() as connection:
+    async with admin_client.client() as connection:
         await connection.client_setname("user")
         await aiosem.aclose()
-        names = [entry["name"] for entry in await real_client.client_list()]
+        names = [entry["name"] for entry in await admin_client.client_list()]
     assert "user" in names
 
 

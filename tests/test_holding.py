@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, PermitLost, SemaphoreError
+from tests.support import flushed_client
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -25,8 +26,7 @@ BOUND = 15.0
 
 @pytest.fixture
 async def client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
-    connection = redis_server.client()
-    await connection.flushdb()
+    connection = await flushed_client(redis_server)
     yield connection
     await connection.aclose()
 
@@ -190,13 +190,13 @@ def test_bad_holding_options_are_refused(
 
 
 async def test_a_thousand_held_permits_are_refreshed_in_one_call_per_round(
-    client: redis.asyncio.Redis, redis_server: RedisServer
+    client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis
 ) -> None:
     sem = AsyncFairSemaphore(client, "many", 1000, timeout=0.9)  # a round every 0.3 s
     permits = [await sem.acquire(auto_refresh=True) for _ in range(1000)]
-    await client.config_resetstat()
+    await admin_client.config_resetstat()
     await anyio.sleep(1.5)
-    stats = await client.info("commandstats")
+    stats = await admin_client.info("commandstats")
     scripts = stats.get("cmdstat_evalsha", {"calls": 0})["calls"]
     # About 5 rounds, each one call for all 1,000 (a call per permit would be thousands).
     assert 1 <= scripts <= 12
@@ -238,14 +238,16 @@ async def test_redis_stopped_past_the_lease_raises_permit_lost(
     await client.aclose()
 
 
-async def test_nothing_keeps_refreshing_after_a_hold_ends(cls: SemaphoreClass, client: redis.asyncio.Redis) -> None:
+async def test_nothing_keeps_refreshing_after_a_hold_ends(
+    cls: SemaphoreClass, client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis
+) -> None:
     sem = cls(client, "ended", 1, timeout=0.6)
     async with sem:
         assert aiosem_tasks()
     await until_no_refresher()
-    await client.config_resetstat()
+    await admin_client.config_resetstat()
     await anyio.sleep(0.5)
-    stats = await client.info("commandstats")
+    stats = await admin_client.info("commandstats")
     assert "cmdstat_evalsha" not in stats
     assert "cmdstat_exec" not in stats
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
     from tests.support import FakeClock
 
+# The book's client needs commands aiosem's own user lacks (ZRANK, SETNX).
+pytestmark = pytest.mark.unrestricted
+
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
 LEASE = 10

@@ -176,11 +176,13 @@ async def test_a_semaphore_key_escapes_braces_in_its_name(cls: SemaphoreClass) -
 
 
 @pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
-async def test_a_semaphore_writes_only_its_own_keys(cls: SemaphoreClass, client: redis.asyncio.Redis) -> None:
+async def test_a_semaphore_writes_only_its_own_keys(
+    cls: SemaphoreClass, client: redis.asyncio.Redis, client_admin: redis.asyncio.Redis
+) -> None:
     sem = cls(client, "{{x}} %7B", 1)
     permit = await sem.acquire(blocking=False)
     assert permit is not None
     keys = SemaphoreKeys.for_name("aiosem", "{{x}} %7B")
     expected = sorted(key.encode() for key in [keys.timeout_set, keys.owner_set, keys.counter, keys.limit])
-    assert sorted(await client.keys("*")) == expected
+    assert sorted(await client_admin.keys("*")) == expected
     assert len({key_slot(key) for key in expected}) == 1

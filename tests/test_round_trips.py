@@ -51,16 +51,18 @@ async def test_uncontended_acquire_and_release_round_trips(
     await client.aclose()
 
 
-async def test_fair_semaphore_sends_one_evalsha_per_step(real_client: redis.asyncio.Redis) -> None:
+async def test_fair_semaphore_sends_one_evalsha_per_step(
+    real_client: redis.asyncio.Redis, admin_client: redis.asyncio.Redis
+) -> None:
     sem = AsyncFairSemaphore(real_client, "commandstats", 4)
     warm = await sem.acquire()
     assert warm is not None
     await sem.release(warm)
-    await real_client.config_resetstat()
+    await admin_client.config_resetstat()
     for _ in range(50):
         permit = await sem.acquire()
         assert permit is not None
         await sem.release(permit)
-    stats = await real_client.info("commandstats")
+    stats = await admin_client.info("commandstats")
     assert stats["cmdstat_evalsha"]["calls"] == 100
     assert "cmdstat_eval" not in stats

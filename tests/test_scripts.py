@@ -20,30 +20,34 @@ if TYPE_CHECKING:
     from tests.support import RedisServer
 
 
-async def test_a_flushed_script_cache_is_reloaded(client: redis.asyncio.Redis) -> None:
+async def test_a_flushed_script_cache_is_reloaded(
+    client: redis.asyncio.Redis, client_admin: redis.asyncio.Redis
+) -> None:
     sem = AsyncFairSemaphore(client, "reload", 1)
     first = await sem.acquire()
     assert first is not None
-    await client.script_flush()
+    await client_admin.script_flush()
     assert await sem.release(first)
     assert await sem.acquire() is not None
 
 
-async def test_recipes_reload_a_flushed_script_cache(client: redis.asyncio.Redis) -> None:
+async def test_recipes_reload_a_flushed_script_cache(
+    client: redis.asyncio.Redis, client_admin: redis.asyncio.Redis
+) -> None:
     identifier = await recipes.acquire_fair_semaphore(client, "reload", 1)
     assert identifier is not None
-    await client.script_flush()
+    await client_admin.script_flush()
     assert await recipes.release_fair_semaphore(client, "reload", identifier)
 
 
 @pytest.fixture
 async def no_scripting_client(fresh_redis_server: RedisServer) -> redis.asyncio.Redis:
-    admin = fresh_redis_server.client()
+    admin = fresh_redis_server.admin_client()
     await admin.acl_setuser(
         "worker", enabled=True, passwords=["+secret"], keys=["*"], channels=["*"], commands=["+@all", "-@scripting"]
     )
     await admin.aclose()
-    return fresh_redis_server.client(username="worker", password="secret")  # noqa: S106 -- a test server's user
+    return fresh_redis_server.client(username="worker", password="secret")
 
 
 async def test_the_fair_semaphore_needs_scripting(no_scripting_client: redis.asyncio.Redis) -> None:

@@ -181,9 +181,9 @@ async def test_a_dead_waiter_leaves_the_queue_after_its_waiter_timeout(make: Cal
 async def test_waiters_wake_without_pub_sub(cls: SemaphoreClass, fresh_redis_server: RedisServer) -> None:
     # A user who may not subscribe (no channels in its ACL) still gets permits,
     # from the re-check that runs when the holder's lease ends.
-    admin = fresh_redis_server.client()
+    admin = fresh_redis_server.admin_client()
     await admin.acl_setuser("nochannels", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
-    client = fresh_redis_server.client(username="nochannels", password="pw")  # noqa: S106 -- a test server's user
+    client = fresh_redis_server.client(username="nochannels", password="pw")
     holder_side = cls(client, "quiet", 1, timeout=0.5)
     waiter_side = cls(client, "quiet", 1, timeout=0.5)
     assert await holder_side.acquire() is not None
@@ -268,7 +268,7 @@ async def test_a_thousand_waiters_use_a_bounded_number_of_connections(
     cls: SemaphoreClass, redis_server: RedisServer
 ) -> None:
     client = redis_server.client(client_name="thousand")
-    admin = redis_server.client()
+    admin = redis_server.admin_client()
     sem = cls(client, f"thousand-{cls.__name__}", 1)
     held = await sem.acquire()
     assert held is not None
