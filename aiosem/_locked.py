@@ -169,6 +169,7 @@ class AsyncLockedSemaphore(_Semaphore):
             ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
         )
         reads.append(("GET", keys.limit))
+        reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
         if now is None:
             reads.append(("TIME",))
         # Once the batch may have been sent, and until a reply says otherwise,
@@ -189,7 +190,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     locked = False
                     await connection.batch(("UNWATCH",))
                     return None
-                now = _parse_time(replies[12]) if now is None else now
+                now = _parse_time(replies[15]) if now is None else now
 
                 def scores(reply: Any) -> dict[bytes, float]:
                     pairs = zip(members, reply if members else (), strict=True)
@@ -213,6 +214,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     alive_until=scores(replies[9]),
                     cancelled={member for member, until in scores(replies[10]).items() if until > now},
                     stored_limit=None if replies[11] is None else int(replies[11]),
+                    permit_ttls=tuple(int(ttl) for ttl in replies[12:15]),
                     tickets=self._tickets,
                 )
                 reply = plan.run(operation, mode, members)
@@ -312,6 +314,7 @@ class _Plan:
         alive_until: dict[bytes, float],
         cancelled: set[bytes],
         stored_limit: int | None,
+        permit_ttls: tuple[int, ...],
         tickets: dict[bytes, int],
     ) -> None:
         self.keys = keys
@@ -326,6 +329,7 @@ class _Plan:
         self.initial_counter = self.counter = counter
         self.cancelled = cancelled
         self.stored_limit = stored_limit
+        self.permit_ttls = permit_ttls
         self.mismatch = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
@@ -379,10 +383,13 @@ class _Plan:
         if not self.owners and self.queue_size == 0:
             self.writes.append(("DEL", keys.limit))
         else:
-            # As the scripts' aiosem_expire_permits: a day, or two leases.
+            # As the scripts' aiosem_expire_permits: a day, or two leases,
+            # pushed out once half of it ran down (so most steps write
+            # nothing). A key absent when read (-2) may be written now.
             permits_ms = max(_COUNTER_TTL_MS, math.ceil(self.lease * 2000))
-            for key in (keys.timeout_set, keys.owner_set, keys.limit):
-                self.writes += [("PEXPIRE", key, permits_ms, "NX"), ("PEXPIRE", key, permits_ms, "GT")]
+            for key, ttl in zip((keys.timeout_set, keys.owner_set, keys.limit), self.permit_ttls, strict=True):
+                if ttl < permits_ms // 2:
+                    self.writes.append(("PEXPIRE", key, permits_ms))
         earliest = min(self.leases.values(), default=None)
         return Reply(
             holders=len(self.owners),

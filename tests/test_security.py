@@ -39,6 +39,7 @@ import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _config, _status, _urls, recipes
 from aiosem.__main__ import main as cli_main
 from tests import test_holding, test_semaphore, test_waiting
+from tests.conftest import _skip_without_cluster_support
 from tests.limiting import close_and_settle, isolate
 from tests.support import (
     CLI_COMMANDS,
@@ -650,6 +651,8 @@ OUT_OF_REACH: Final = [
 async def test_a_server_out_of_reach_shows_no_password_in_errors_reprs_or_logs(
     template: str, refusing_port: int, configured: None
 ) -> None:
+    if template.startswith("redis+cluster"):
+        _skip_without_cluster_support()
     url = template.format(password=SECRET, port=refusing_port)
     with every_log_record() as records:
         errors = await _use_everything(url)
