@@ -83,7 +83,8 @@ SCRIPT_COMMANDS: Final = (
 #: server that lacks one gets them all by SCRIPT LOAD), pub/sub for wake-ups, MULTI for `holders` (and
 #: for the eviction-policy check).
 FAIR_COMMANDS: Final = (
-    "+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish", "+subscribe", "+unsubscribe", "+multi", "+exec",
+    "+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish", "+subscribe", "+unsubscribe", "+ping",
+    "+multi", "+exec",
 )  # fmt: skip
 #: `AsyncLockedSemaphore` (``kind="locked"``): no Lua, its steps read under WATCH and write in MULTI.
 LOCKED_COMMANDS: Final = (
