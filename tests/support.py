@@ -89,7 +89,8 @@ FAIR_COMMANDS: Final = (
 #: `AsyncLockedSemaphore` (``kind="locked"``): no Lua, its steps read under WATCH and write in MULTI.
 LOCKED_COMMANDS: Final = (
     "+ping", "+subscribe", "+unsubscribe", "+publish", "+multi", "+exec", "+watch", "+unwatch", "+time", "+get",
-    "+set", "+del", "+incrby", "+pexpire", "+zadd", "+zrem", "+zrange", "+zremrangebyscore", "+zcard", "+zmscore",
+    "+set", "+del", "+incrby", "+pexpire", "+pttl", "+zadd", "+zrem", "+zrange", "+zremrangebyscore", "+zcard",
+    "+zmscore",
 )  # fmt: skip
 #: `aiosem.recipes`: the scripts, and a wake-up for an aiosem waiter of a semaphore they share.
 RECIPE_COMMANDS: Final = ("+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish")
