@@ -96,6 +96,8 @@ LOCKED_COMMANDS: Final = (
 RECIPE_COMMANDS: Final = ("+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish")
 #: ``python -m aiosem status`` (SCAN, then one MULTI per semaphore) and ``reset`` (ZCARD and DEL too).
 CLI_COMMANDS: Final = ("+scan", "+multi", "+exec", "+time", "+get", "+pttl", "+exists", "+zrange", "+zcard", "+del")
+#: What ``python -m aiosem demo`` adds: its workers count who holds a permit, under ``aiosem-demo:``.
+DEMO_COMMANDS: Final = ("+incrby", "+decrby")
 #: What a Redis Cluster client adds: redis-py learns the slots and the commands' keys, follows ASK,
 #: and aiosem wakes waiters by sharded pub/sub.
 CLUSTER_COMMANDS: Final = ("+cluster|slots", "+command", "+asking", "+spublish", "+ssubscribe", "+sunsubscribe")
@@ -122,7 +124,8 @@ def _union(*groups: tuple[str, ...]) -> tuple[str, ...]:
 SUITE_RULES: Final = (
     "resetkeys", "~*", "resetchannels", "&*", "-@all",
     *_union(
-        FAIR_COMMANDS, LOCKED_COMMANDS, RECIPE_COMMANDS, CLI_COMMANDS, CLUSTER_COMMANDS, REPLICA_COMMANDS, TEST_COMMANDS
+        FAIR_COMMANDS, LOCKED_COMMANDS, RECIPE_COMMANDS, CLI_COMMANDS, DEMO_COMMANDS, CLUSTER_COMMANDS,
+        REPLICA_COMMANDS, TEST_COMMANDS,
     ),
     SETINFO,
 )  # fmt: skip

@@ -31,19 +31,22 @@ import anyio
 import pytest
 import redis
 import redis.asyncio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.exceptions import NoPermissionError
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _config, _status, _urls, recipes
 from aiosem.__main__ import main as cli_main
+from aiosem._demo import Config, Kind
+from aiosem._demo import run as demo
 from tests import test_holding, test_semaphore, test_waiting
 from tests.conftest import _skip_without_cluster_support
 from tests.limiting import close_and_settle, isolate
 from tests.support import (
     CLI_COMMANDS,
     CLUSTER_COMMANDS,
+    DEMO_COMMANDS,
     FAIR_COMMANDS,
     LOCKED_COMMANDS,
     RECIPE_COMMANDS,
@@ -92,8 +95,10 @@ LOCKED: Final = Line(
 )
 RECIPES: Final = Line("aiosem-recipes", ("~semaphore:*", "~lock:*"), ("&semaphore:*",), RECIPE_COMMANDS)
 CLI: Final = Line("aiosem-cli", ("~aiosem:*", "~lock:aiosem:*"), (), CLI_COMMANDS)
-#: What the page adds to a user, by ``ACL SETUSER <user> <rules>``, for a cluster, replicas, Redis 7.2.
-ADDITIONS: Final = (CLUSTER_COMMANDS, REPLICA_COMMANDS, (SETINFO,))
+#: The demo's keys and commands, added to a user of the semaphores.
+DEMO: Final = ("~aiosem-demo:*", *DEMO_COMMANDS)
+#: What the page adds to a user, by ``ACL SETUSER <user> <rules>``: the demo, a cluster, replicas, Redis 7.2.
+ADDITIONS: Final = (DEMO, CLUSTER_COMMANDS, REPLICA_COMMANDS, (SETINFO,))
 
 
 # --- accounts: users of the test's own on the session's server ---------------------------------
@@ -328,6 +333,17 @@ async def test_status_and_reset_need_nothing_beyond_the_command_lines_line(
     assert (listed["name"], listed["held"]) == ("inspected", 1)
     assert await semaphore.count() == 0
     await semaphore.aclose()
+    assert await user.denials() == []
+
+
+@pytest.mark.parametrize(("kind", "line"), [("fair", APP), ("locked", LOCKED)])
+async def test_the_demo_needs_nothing_beyond_its_addition_to_a_semaphore_line(
+    kind: Kind, line: Line, account: Callable[[tuple[str, ...]], Awaitable[Account]]
+) -> None:
+    user = await account((*line.rules, *DEMO))
+    config = Config(url=user.url, kind=kind, name="demo", limit=2, workers=1, coroutines=4, duration=0.3, hold=0.001)
+    result = await anyio.to_thread.run_sync(demo, config)
+    assert (result.grants > 0, result.over_limit) == (True, 0)
     assert await user.denials() == []
 
 
@@ -661,7 +677,7 @@ async def test_a_server_out_of_reach_shows_no_password_in_errors_reprs_or_logs(
         assert SECRET not in text
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(password=passwords)
 async def test_a_wrong_password_shows_up_nowhere(password: str, redis_server: RedisServer) -> None:
     # A user nobody made: any password is wrong (the default user, without one, would take any).
