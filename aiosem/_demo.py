@@ -257,7 +257,10 @@ def _live_view(limit: int, duration: float) -> Callable[[int, float], None]:
 
 def main(config: Config, *, embedded: bool) -> int:
     """Run the demo with a live view; return the exit status (1 if the limit was ever exceeded)."""
-    where = "an embedded Redis (fakeredis)" if embedded else config.url
+    # The command line's own redaction: it knows every URL form (imported here, as it imports this module).
+    from .__main__ import redact  # noqa: PLC0415
+
+    where = "an embedded Redis (fakeredis)" if embedded else redact(config.url)
     print(
         f"{config.workers} processes x {config.coroutines} coroutines share limit {config.limit} "
         f"of a {config.kind!r} semaphore on {where} for {config.duration:g} s"

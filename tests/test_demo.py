@@ -34,9 +34,9 @@ def test_demo_on_the_embedded_server() -> None:
 
 
 def test_demo_on_a_real_server(redis_server: RedisServer) -> None:
-    completed = demo("--url", redis_server.url, "--kind", "locked")
+    completed = demo("--url", redis_server.admin_url, "--kind", "locked")
     assert completed.returncode == 0, completed.stderr
-    assert f"Redis: {redis_server.url}" in completed.stdout
+    assert f"Redis: {redis_server.admin_url}" in completed.stdout
     assert "over limit 0" in completed.stdout
 
 

@@ -347,6 +347,17 @@ async def test_the_demo_needs_nothing_beyond_its_addition_to_a_semaphore_line(
     assert await user.denials() == []
 
 
+async def test_the_demo_prints_no_password(
+    account: Callable[[tuple[str, ...]], Awaitable[Account]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    user = await account((*APP.rules, *DEMO))
+    argv = ["demo", "--url", user.url, "--workers", "1", "--coroutines", "2", "--duration", "0.3"]
+    assert await anyio.to_thread.run_sync(cli_main, argv) == 0
+    captured = capsys.readouterr()
+    assert "over limit 0" in captured.out
+    assert user.user.password not in captured.out + captured.err
+
+
 # --- the contract of the locked semaphore, for a user without scripting ------------------------
 
 #: The fixtures a contract test may take to run here.
@@ -696,7 +707,7 @@ async def test_a_wrong_password_shows_up_nowhere(password: str, redis_server: Re
 
 
 @pytest.mark.usefixtures("_clean_configuration")
-def test_the_settings_configure_keeps_show_no_password() -> None:
+def test_what_configure_keeps_shows_no_password_in_its_repr() -> None:
     aiosem.configure(url=f"redis://app:{SECRET}@127.0.0.1:6390/0")
     assert SECRET not in repr(_config.settings())
 
