@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ._connection import Client, publish_command, text
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import Operation, Reply, _Semaphore
+from ._timing import step_bound
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,12 +51,15 @@ async def fair_step(
     waiter_ttl: float,
     caller: str = "",
     mode: str = "",
+    call: str = "",
     replicas: int = 0,
     replication_timeout: float = 0.0,
 ) -> Reply:
     """Run one fair-semaphore script; shared by the class and the recipes.
 
-    With ``replicas``, the script is followed by a ``WAIT`` of at most
+    A release with a ``call`` id leaves a receipt for as long as a step may
+    take: the same call, tried again after its reply was lost, answers what
+    the first try released. With ``replicas``, the script is followed by a ``WAIT`` of at most
     ``replication_timeout`` on its connection, and the reply says how many
     replicas acknowledged it.
     """
@@ -68,13 +72,16 @@ async def fair_step(
         keys.channels,
         publish_command(client),
         mode,
+        call,
+        repr(step_bound(lease)),
         *identifiers,
     ]
     script = _SCRIPTS[operation]
+    script_keys = (*keys.fair, keys.receipt(call))
     if not replicas:
-        return parse_reply(await script.run(client, keys.fair, args), len(identifiers))
+        return parse_reply(await script.run(client, script_keys, args), len(identifiers))
     raw, acknowledged = await script.run_replicated(
-        client, keys.fair, args, replicas, max(1, math.ceil(replication_timeout * 1000))
+        client, script_keys, args, replicas, max(1, math.ceil(replication_timeout * 1000))
     )
     return parse_reply(raw, len(identifiers), acknowledged)
 
@@ -135,7 +142,7 @@ class AsyncFairSemaphore(_Semaphore):
 
     __slots__ = ()
 
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply:
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply:
         return await fair_step(
             self._client,
             operation,
@@ -147,6 +154,7 @@ class AsyncFairSemaphore(_Semaphore):
             waiter_ttl=self._waiter_ttl,
             caller=self._process,
             mode=mode,
+            call=call,
             replicas=self._replicas_for(operation, mode),
             replication_timeout=self._waiter_ttl,
         )

@@ -11,17 +11,18 @@ The layout under the base key ``prefix:{name}`` extends the book's, so a
 client written from *Redis in Action* can share a semaphore by using the
 base key as its ``semname``:
 
-=============================  ===========================================
-``prefix:{name}``              timeout set: identifier -> grant time (s)
-``prefix:{name}:owner``        owner set: identifier -> fencing token
-``prefix:{name}:counter``      the last fencing token; expires a day after the last grant
-``prefix:{name}:queue``        waiters: identifier -> ticket (arrival order)
-``prefix:{name}:waiters``      waiters: identifier -> presumed dead at (s)
-``prefix:{name}:cancelled``    tombstones: identifier -> refused until (s)
-``prefix:{name}:tickets``      the last ticket handed to a waiter
-``prefix:{name}:wake:<token>`` the channel of one process's waiters
-``lock:prefix:{name}``         the short lock of `AsyncLockedSemaphore`
-=============================  ===========================================
+================================  ===========================================
+``prefix:{name}``                 timeout set: identifier -> grant time (s)
+``prefix:{name}:owner``           owner set: identifier -> fencing token
+``prefix:{name}:counter``         the last fencing token; expires a day after the last grant
+``prefix:{name}:queue``           waiters: identifier -> ticket (arrival order)
+``prefix:{name}:waiters``         waiters: identifier -> presumed dead at (s)
+``prefix:{name}:cancelled``       tombstones: identifier -> refused until (s)
+``prefix:{name}:tickets``         the last ticket handed to a waiter
+``prefix:{name}:receipt:<id>``    what release call <id> released, while it may be retried
+``prefix:{name}:wake:<token>``    the channel of one process's waiters
+``lock:prefix:{name}``            the short lock of `AsyncLockedSemaphore`
+================================  ===========================================
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class SemaphoreKeys:
     @property
     def tickets(self) -> str:
         return f"{self.base}:tickets"
+
+    def receipt(self, call: str) -> str:
+        """What release call ``call`` released, for the same call tried again to read."""
+        return f"{self.base}:receipt:{call}"
 
     @property
     def limit(self) -> str:

@@ -137,7 +137,7 @@ class AsyncLockedSemaphore(_Semaphore):
     def _forget(self, identifier: str) -> None:
         self._tickets.pop(identifier.encode(), None)
 
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply | None:
         keys = self._keys
         owner = secrets.token_hex(16)
         now = self._now()
@@ -170,6 +170,9 @@ class AsyncLockedSemaphore(_Semaphore):
         )
         reads.append(("GET", keys.limit))
         reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
+        # What an earlier try of this call released, if its reply was lost:
+        # only this call writes its receipt.
+        reads.append(("GET", keys.receipt(call)) if call else ("PING",))
         if now is None:
             reads.append(("TIME",))
         # Once the batch may have been sent, and until a reply says otherwise,
@@ -190,7 +193,7 @@ class AsyncLockedSemaphore(_Semaphore):
                     locked = False
                     await connection.batch(("UNWATCH",))
                     return None
-                now = _parse_time(replies[15]) if now is None else now
+                now = _parse_time(replies[16]) if now is None else now
 
                 def scores(reply: Any) -> dict[bytes, float]:
                     pairs = zip(members, reply if members else (), strict=True)
@@ -216,6 +219,9 @@ class AsyncLockedSemaphore(_Semaphore):
                     stored_limit=None if replies[11] is None else int(replies[11]),
                     permit_ttls=tuple(int(ttl) for ttl in replies[12:15]),
                     tickets=self._tickets,
+                    receipt=keys.receipt(call) if call else None,
+                    receipt_seconds=self._step_bound,
+                    earlier_receipt=connection.encode(replies[15]) if call and replies[15] is not None else b"",
                 )
                 reply = plan.run(operation, mode, members)
                 committed, reply = await self._commit(connection, plan, reply, operation, mode)
@@ -316,8 +322,15 @@ class _Plan:
         stored_limit: int | None,
         permit_ttls: tuple[int, ...],
         tickets: dict[bytes, int],
+        receipt: str | None = None,
+        receipt_seconds: float = 0.0,
+        earlier_receipt: bytes = b"",
     ) -> None:
         self.keys = keys
+        #: A release call's receipt key, how long it is kept, and what an earlier try left in it.
+        self.receipt = receipt
+        self.receipt_seconds = receipt_seconds
+        self.earlier_receipt = earlier_receipt
         self.tickets = tickets
         self.now = now
         self.lease = lease
@@ -369,6 +382,12 @@ class _Plan:
                 and (self.owners or self.queue_size > 0)
             )
         values = [act(member, mode) for member in members]
+        if self.receipt is not None:
+            # As the release script: what an earlier try released counts as released.
+            values = [value or int(self.earlier_receipt[i : i + 1] == b"1") for i, value in enumerate(values)]
+            if any(values):
+                receipt = "".join(str(value) for value in values)
+                self.writes.append(("SET", self.receipt, receipt, "PX", math.ceil(self.receipt_seconds * 1000)))
         if operation == "acquire" and members and not self.mismatch and self.stored_limit != self.limit:
             self.writes.append(("SET", keys.limit, self.limit))
         self._write_refreshes()

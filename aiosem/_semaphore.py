@@ -46,7 +46,7 @@ from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLos
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
-from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound, Deadline
+from ._timing import Backoff, Bound, Deadline, step_bound
 from ._validation import check_limit, check_name, check_now, check_replicas, check_timeout, check_wait
 
 if TYPE_CHECKING:
@@ -72,8 +72,12 @@ _RECHECK_DELAY: Final = 0.001
 
 #: The longest pause between tries of a step that has to happen.
 _MUST_STEP_PAUSE: Final = 0.005
-#: Pauses of a failing pump or refresher grow by this much, up to a heartbeat.
+#: Pauses of a failing pump or refresher grow by this much, up to a heartbeat;
+#: so do those between tries of a release whose connection failed.
 _RETRY_PAUSE: Final = 0.05
+#: How often a release whose connection failed is tried again: enough for a
+#: connection closed under it, not to wait out a server that is down.
+_RELEASE_RETRIES: Final = 3
 #: What a step answers for an acquire refused because the semaphore is in
 #: use with another limit.
 LIMIT_MISMATCH: Final = -3
@@ -327,8 +331,12 @@ class _Semaphore(ABC):
         )
 
     @abstractmethod
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
-        """Carry out one step atomically; ``None`` if it could not run now and should be retried."""
+    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply | None:
+        """Carry out one step atomically; ``None`` if it could not run now and should be retried.
+
+        A release with a ``call`` id leaves receipts of what it released, so
+        that the same call tried again answers the same (see `_step`).
+        """
 
     def _replicas_for(self, operation: Operation, mode: str) -> int:
         """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
@@ -337,7 +345,7 @@ class _Semaphore(ABC):
     @property
     def _step_bound(self) -> float:
         """How long one step may take before it is presumed stalled: a lease, and at least 5 s."""
-        return max(self._timeout, SHORTEST_STEP_BOUND)
+        return step_bound(self._timeout)
 
     def _now(self) -> float | None:
         return None if self._clock is None else check_now(self._clock(), "clock()")
@@ -385,9 +393,14 @@ class _Semaphore(ABC):
         # as far as a polling waiter would lose it to every poller.
         backoff = Backoff(longest=_MUST_STEP_PAUSE)
         loop = asyncio.get_running_loop()
+        # A release whose reply is lost with its connection may have been
+        # carried out: tried again -- by redis-py or here -- under the same
+        # id, it reads the first try's receipts, and a permit it released is
+        # not mistaken for one lost.
+        call = secrets.token_hex(8) if operation == "release" and mode == "release" else ""
         while True:
             sent = loop.time()
-            if (reply := await self._bounded_execute(operation, mode, identifiers)) is not None:
+            if (reply := await self._bounded_execute(operation, mode, identifiers, call)) is not None:
                 break
             if operation == "acquire" and mode == "try":
                 reply = Reply(self._last.holders, self._last.waiting, None, (-1,) * len(identifiers))
@@ -404,22 +417,33 @@ class _Semaphore(ABC):
         self._observe(reply, sent)
         return reply
 
-    async def _bounded_execute(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply | None:
+    async def _bounded_execute(
+        self, operation: Operation, mode: str, identifiers: Sequence[str], call: str
+    ) -> Reply | None:
         """`_execute`, bounded so that a stalled connection cannot hang a step.
 
         On a cluster, a step turned away because the semaphore's slot moved
         or is moving did nothing, and is tried again on the slot's owner
-        within the same bound.
+        within the same bound. A release with a call id whose connection
+        failed is tried again too, a few times: its receipts tell what a try
+        whose reply was lost did.
         """
         redirect: Exception | None = None
+        failures = 0
         try:
             with Bound(self._step_bound, f"a {operation} step of semaphore {self._name!r}"):
                 for attempt in itertools.count():
                     try:
-                        reply = await self._execute(operation, mode, identifiers)
+                        reply = await self._execute(operation, mode, identifiers, call)
                     except REDIRECTS as error:
                         redirect = error
                         await reroute(self._client, error, attempt)
+                        continue
+                    except redis.ConnectionError:
+                        failures += 1
+                        if not call or failures > _RELEASE_RETRIES:
+                            raise
+                        await anyio.sleep(_RETRY_PAUSE * (failures - 1))
                         continue
                     break
         except redis.TimeoutError as error:

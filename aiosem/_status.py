@@ -237,7 +237,8 @@ async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetR
     before. So are the ticket counter (waiters drawn a ticket but not yet
     queued keep their place in the arrival order) and the tombstones of
     cancelled acquires (an acquire cancelled while on its way still takes
-    nothing); both expire by themselves. A holder learns of the reset at its
+    nothing), and the receipts of recent releases (a release tried again
+    still learns what its first try did); all expire by themselves. A holder learns of the reset at its
     next refresh, as `PermitLost`; a waiter is queued again by its process.
 
     Args:

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
 #: The least time a call to Redis is given before it is presumed stalled.
 SHORTEST_STEP_BOUND: Final = 5.0
 
+
+def step_bound(lease: float) -> float:
+    """How long one step of a semaphore with ``lease`` may take, retries included: a lease, and at least 5 s."""
+    return max(lease, SHORTEST_STEP_BOUND)
+
+
 #: The first pause of a polling loop, and the longest.
 _FIRST_PAUSE = 0.001
 _LONGEST_PAUSE = 0.05

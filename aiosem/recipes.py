@@ -210,6 +210,9 @@ async def _fair_flag(
         limit=None,
         waiter_ttl=_WAITER_TIMEOUT,
         mode=operation,
+        # redis-py tries a command again after its connection failed: under
+        # the same id, a release whose first reply was lost still says True.
+        call=secrets.token_hex(8) if operation == "release" else "",
     )
     return reply.values[0] > 0
 

@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem._timing import SHORTEST_STEP_BOUND
 from tests.proxy import TcpProxy
 
 if TYPE_CHECKING:
@@ -104,14 +105,18 @@ async def assert_nothing_left(sem: Semaphore, direct: redis.asyncio.Redis, *, to
     """No permit held, nobody queued, and of the semaphore's keys only its counter.
 
     The waiters' ticket counter may outlive its last waiter by a waiter
-    timeout, and expires by itself; tombstones are allowed only if asked.
+    timeout, and a release call's receipt the call by a step bound: both
+    expire by themselves. Tombstones are allowed only if asked.
     """
     assert await sem.count() == 0
     assert await sem.waiting() == 0
     counter, tickets, cancelled = (f"{sem.key}:{suffix}".encode() for suffix in ("counter", "tickets", "cancelled"))
-    left = set(await direct.keys(sem.key + "*"))
+    receipts = set(await direct.keys(sem.key + ":receipt:*"))
+    left = set(await direct.keys(sem.key + "*")) - receipts
     assert left - ({tickets, cancelled} if tombstones else {tickets}) == {counter}
     assert await direct.pttl(tickets) <= (sem.waiter_timeout + 1) * 1000
+    for receipt in receipts:
+        assert 0 < await direct.pttl(receipt) <= max(sem.timeout, SHORTEST_STEP_BOUND) * 1000
     assert await direct.pttl(cancelled) <= 61_000  # a tombstone lives a minute
     # A step that failed (not cancelled) frees its lock in the background, and
     # the lock expires by itself within its lock timeout (1 s) in any case.

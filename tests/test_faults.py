@@ -295,11 +295,6 @@ async def test_a_killed_pub_sub_connection_is_restored_and_wakes_waiters_by_mess
 
 
 @pytest.mark.parametrize("kind", CLIENT_KINDS)
-@pytest.mark.xfail(
-    strict=True,
-    reason="a release whose reply is lost cannot tell it was done: retried by redis-py, it finds the permit gone "
-    "(PermitLost); not retried, it raises ConnectionError",
-)
 async def test_a_release_whose_reply_is_lost_ends_the_block_cleanly(
     cls: SemaphoreClass, kind: str, proxy: TcpProxy, redis_server: RedisServer
 ) -> None:

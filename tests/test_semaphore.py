@@ -116,6 +116,44 @@ async def test_release_frees_the_permit_once(make: Callable[..., Semaphore]) -> 
     assert await sem.acquire(blocking=False) is not None
 
 
+async def test_a_release_tried_again_under_its_call_id_answers_what_the_first_try_released(
+    make: Callable[..., Semaphore],
+) -> None:
+    # As when the first try's reply was lost with its connection and redis-py, or aiosem, sent it again.
+    sem = make(limit=2)
+    held = await sem.acquire()
+    assert held is not None
+    never_held = f"{sem._process}.{'0' * 16}"
+    first = await sem._execute("release", "release", [held.identifier, never_held], "c0ffee")
+    again = await sem._execute("release", "release", [held.identifier, never_held], "c0ffee")
+    assert first is not None
+    assert again is not None
+    assert first.values == again.values == (1, 0)
+    assert await sem.count() == 0
+
+
+async def test_another_release_call_of_a_released_permit_answers_false(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=1)
+    held = await sem.acquire()
+    assert held is not None
+    assert await sem._execute("release", "release", [held.identifier], "c0ffee") is not None
+    other = await sem._execute("release", "release", [held.identifier], "decaf")
+    assert other is not None
+    assert other.values == (0,)
+
+
+async def test_a_release_receipt_lasts_as_long_as_the_call_may_be_tried_again(
+    make: Callable[..., Semaphore], client_admin: redis.asyncio.Redis
+) -> None:
+    sem = make(limit=1, timeout=7)
+    held = await sem.acquire()
+    assert held is not None
+    assert await sem._execute("release", "release", [held.identifier], "c0ffee") is not None
+    assert 6_000 < await client_admin.pttl(f"{sem.key}:receipt:c0ffee") <= 7_000  # the step bound: the lease
+    assert await sem._execute("release", "release", [held.identifier], "decaf") is not None
+    assert not await client_admin.exists(f"{sem.key}:receipt:decaf")  # it released nothing
+
+
 async def test_refresh_keeps_a_permit_past_its_first_lease(make: Callable[..., Semaphore], clock: FakeClock) -> None:
     sem = make(limit=1, timeout=10, clock=clock)
     permit = await sem.acquire()

@@ -195,9 +195,9 @@ def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[st
     steps: list[str] = []
     execute = cls._execute
 
-    async def counting(self: Any, operation: Any, mode: Any, identifiers: Any) -> Any:
+    async def counting(self: Any, operation: Any, mode: Any, identifiers: Any, call: Any) -> Any:
         steps.append(f"{operation} {mode}".strip())
-        return await execute(self, operation, mode, identifiers)
+        return await execute(self, operation, mode, identifiers, call)
 
     monkeypatch.setattr(cls, "_execute", counting)
     return steps

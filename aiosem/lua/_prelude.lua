@@ -15,6 +15,8 @@ local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
 local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
 local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
+local RECEIPT = KEYS[9]    -- what this call released, if it is a release with
+                           -- an id: one '1' or '0' per identifier
 --
 -- and the same arguments:
 -- ARGV[1] now in seconds, or '' for the server's clock
@@ -27,7 +29,11 @@ local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
 -- ARGV[7] how to wake a process: 'PUBLISH', or 'SPUBLISH' on a cluster,
 --         where the channel shares the keys' hash tag and so their slot
 -- ARGV[8] the mode of the operation
--- ARGV[9..] identifiers
+-- ARGV[9] the call's id ('' for none): a call retried because its reply was
+--         lost carries the same id, and reads the receipt of the first try
+-- ARGV[10] how long a call's receipt is kept, in seconds: as long as the
+--         caller may still try the call again
+-- ARGV[11..] identifiers
 --
 -- and every script returns {holders, waiting, next_expiry_us, result_1, ...,
 -- result_n, granted_id_1, token_1, ...}: next_expiry_us is how long until the
@@ -233,7 +239,7 @@ end
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode, `freed` (permits given up
+-- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, `freed` (permits given up
 -- by the operation, which matter when the limit is unknown), the counts
 -- `holders` and `queued`, which every write keeps up to date, and
 -- `waiters_written`, which an operation sets when it queues a waiter or
@@ -248,6 +254,8 @@ local function aiosem_run(operation, hand_off_first)
     channels = ARGV[6],
     publish = ARGV[7],
     mode = ARGV[8],
+    call = ARGV[9],
+    receipt_seconds = tonumber(ARGV[10]),
     waiters_written = false,
   }
   -- Checked before anything is written: a script refused half-way would leave
@@ -276,7 +284,7 @@ local function aiosem_run(operation, hand_off_first)
     hand_off()
   end
   local identifiers = {}
-  for i = 9, #ARGV do
+  for i = 11, #ARGV do
     identifiers[#identifiers + 1] = ARGV[i]
   end
   local results = operation(identifiers, state)

@@ -4,6 +4,9 @@
 -- Keys and arguments: see the prelude. Without a limit (ARGV[3] = ''), as
 -- many permits are handed off as this call freed.
 -- Mode 'release': results are 1 if the identifier held a live permit, else 0.
+-- A call with an id leaves a receipt of what it released, so that the same
+-- call tried again -- its first reply was lost with its connection -- answers
+-- 1 again for what the first try released, where a new call answers 0.
 -- Mode 'cancel' (an acquire given up): as 'release', but a queued identifier
 -- leaves the queue, and one the server has not seen yet is refused for a
 -- while, so that its acquire, should it arrive after this call, takes
@@ -30,9 +33,18 @@ local function release(identifier, state)
 end
 
 return aiosem_run(function(identifiers, state)
-  local results = {}
+  local earlier = state.call ~= '' and redis.call('GET', RECEIPT)
+  local results, receipt = {}, {}
   for i, identifier in ipairs(identifiers) do
     results[i] = release(identifier, state)
+    if results[i] == 0 and earlier and string.sub(earlier, i, i) == '1' then
+      results[i] = 1
+    end
+    receipt[i] = results[i]
+  end
+  local released = table.concat(receipt)
+  if state.call ~= '' and string.find(released, '1', 1, true) then
+    redis.call('SET', RECEIPT, released, 'PX', math.ceil(state.receipt_seconds * 1000))
   end
   return results
 end, false)
