@@ -93,6 +93,33 @@ def _unwound(step: asyncio.Task[Any]) -> None:
         step.exception()  # retrieved: its failure only mattered to the round that gave up on it
 
 
+class _TimeUp(Exception):
+    """Set on a waiter's future when its wait runs out before a grant."""
+
+
+def _time_up(waiter: asyncio.Future[int]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_TimeUp())
+
+
+async def _granted_within(waiter: asyncio.Future[int], wait: float | None) -> int:
+    """The token ``waiter`` is granted within ``wait`` seconds (``None``: for ever), or 0 if none was.
+
+    A timer, not a cancel scope: waiting is what most acquires do under
+    contention, and a scope costs several times what a timer does. A grant
+    that comes first is taken, however late in the wait.
+    """
+    if wait is None:
+        return await waiter
+    timer = asyncio.get_running_loop().call_later(wait, _time_up, waiter)
+    try:
+        return await waiter
+    except _TimeUp:
+        return 0
+    finally:
+        timer.cancel()
+
+
 class _Default(enum.Enum):
     token = 0
 
@@ -506,8 +533,10 @@ class _Semaphore(ABC):
 
     # --- the pump --------------------------------------------------------------
 
-    def _start_pump(self) -> None:
-        self._wake.set()
+    def _start_pump(self, *, wake: bool = True) -> None:
+        """Run the pump, and have it look at once at its claims and due re-checks, unless ``wake`` is false."""
+        if wake:
+            self._wake.set()
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
@@ -769,12 +798,9 @@ class _Semaphore(ABC):
             if value == 0 and waiter is not None:
                 self._proven[identifier] = sent
                 self._queued.add(identifier)
-                self._start_pump()
+                self._start_pump(wake=False)  # its next heartbeat proves this waiter alive too
                 self._recheck_when(reply)
-                with anyio.move_on_after(wait):
-                    value = await waiter
-                if waiter.done() and not waiter.cancelled():
-                    value = waiter.result()  # granted as the wait ran out: take it
+                value = await _granted_within(waiter, wait)
                 confirmed = self._confirmed.get(identifier, confirmed)
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
