@@ -61,13 +61,15 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover: each in one run."""
+    """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
     session.run("python", "benchmarks/bench_holding.py", "--json", "benchmarks/results/holding.json")
     session.run("python", "benchmarks/bench_rate.py", "--json", "benchmarks/results/rate.json")
     session.run("python", "benchmarks/bench_failover.py", "--json", "benchmarks/results/failover.json")
+    session.run("python", "benchmarks/bench_peers.py", "--json", "benchmarks/results/peers.json")
+    session.run("python", "benchmarks/bench_scaling.py", "--json", "benchmarks/results/scaling.json")
     session.run("python", "benchmarks/plots.py")
 
 

@@ -6,17 +6,21 @@ is measured here. A note under each figure names the run -- its date, the
 machine and the versions -- as the file records it. A result file that is
 missing leaves its figures out, with a message.
 
-==========================  ==================  ==========================================
-figure                      from                shows
-==========================  ==================  ==========================================
-``bench-throughput.png``    ``throughput.json``  cycles/s of both classes and the raw floor
-``bench-handoff.png``       ``waiting.json``     hand-off latency percentiles and floors
-``bench-crash.png``         ``waiting.json``     how late the next grant came after a crash
-``bench-holding.png``       ``holding.json``     commands/s to keep 1,000 permits alive
-``bench-rate.png``          ``rate.json``        the rate limiter's pace and its bounds
-``bench-failover.png``      ``failover.json``    permits forgotten and time without a grant
-``bench-replicas.png``      ``failover.json``    what ``replicas=1`` costs in cycles/s
-==========================  ==================  ==========================================
+=========================  ===================  ==============================================
+figure                     from                 shows
+=========================  ===================  ==============================================
+``bench-throughput.png``   ``throughput.json``  cycles/s of both classes and the raw floor
+``bench-handoff.png``      ``waiting.json``     hand-off latency percentiles and floors
+``bench-crash.png``        ``waiting.json``     how late the next grant came after a crash
+``bench-holding.png``      ``holding.json``     commands/s to keep 1,000 permits alive
+``bench-rate.png``         ``rate.json``        the rate limiter's pace and its bounds
+``bench-failover.png``     ``failover.json``    permits forgotten and time without a grant
+``bench-replicas.png``     ``failover.json``    what ``replicas=1`` costs in cycles/s
+``bench-peers.png``        ``peers.json``       cycles/s beside the peers, over-admission
+                                                and round trips, at limit 16 and limit 1
+``bench-scaling.png``      ``scaling.json``     cycles/s with 1 to 8 processes; idle commands/s
+                                                and connections of 10 to 10,000 waiters
+=========================  ===================  ==============================================
 
 Run it from the repository's root::
 
@@ -28,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -54,6 +59,15 @@ DPI: Final = 110
 #: PNG metadata written by matplotlib would change with its version; none is kept.
 METADATA: Final[dict[str, str | None]] = {"Software": None}
 TIMES: Final = "\N{MULTIPLICATION SIGN}"
+#: Libraries aiosem is compared with: neither aiosem nor a floor.
+PEER: Final = "#a1887f"
+#: What must not happen: holds over the limit, a target missed.
+ALARM: Final = "#c62828"
+#: The targets ``bench_scaling.py`` checks, which its JSON does not record: connections a waiters' process may
+#: hold beyond its pool, and commands per waiter per re-check, which comes every third of the waiter timeout.
+EXTRA_CONNECTIONS: Final = 2
+COMMANDS_PER_WAITER: Final = 1.0
+RECHECKS_PER_WAITER_TIMEOUT: Final = 3
 
 Result = dict[str, Any]
 
@@ -79,19 +93,51 @@ def provenance(result: Result) -> str:
     )
 
 
-def figure(result: Result, height: float, columns: int = 1, *, share_x: bool = False) -> tuple[Figure, list[Axes]]:
-    """A white figure of ``columns`` panels side by side, with the run named at its foot."""
+def figure(
+    result: Result,
+    height: float,
+    columns: int = 1,
+    *,
+    share_x: bool = False,
+    widths: Sequence[float] | None = None,
+    heights: Sequence[float] | None = None,
+) -> tuple[Figure, list[Axes]]:
+    """A white figure of ``columns`` panels side by side, with the run named at its foot.
+
+    ``widths`` gives the columns' relative widths; ``heights``, if given, one
+    row of panels per entry and their relative heights. The panels come row
+    by row.
+    """
     drawn = Figure(figsize=(WIDTH, height), dpi=DPI, facecolor="white", layout="constrained")
-    axes = drawn.subplots(1, columns, squeeze=False, sharex=share_x)[0]
+    rows = 1 if heights is None else len(heights)
+    grid = drawn.subplots(rows, columns, squeeze=False, sharex=share_x, width_ratios=widths, height_ratios=heights)
+    axes = list(grid.flat)
     for ax in axes:
         ax.spines[["top", "right"]].set_visible(False)
         ax.set_axisbelow(True)
     drawn.supxlabel(provenance(result), fontsize=7, color="#616161")
-    return drawn, list(axes)
+    return drawn, axes
 
 
 def thousands(value: float, _position: float | None = None) -> str:
     return f"{value:,.0f}"
+
+
+def plain(value: float, _position: float | None = None) -> str:
+    """A log axis's tick as a number: ``0.1``, ``10``, ``1,000``."""
+    return f"{value:,.0f}" if value >= 1 else f"{value:g}"
+
+
+def ratio(value: float) -> str:
+    """A ratio to a floor, signed: two decimals, or one significant digit below 0.1 (``0.004``, not ``0.00``)."""
+    return f"{value:.2f}{TIMES}" if value >= 0.1 else f"{value:.1g}{TIMES}"
+
+
+def log_span(values: Sequence[float], room: float) -> tuple[float, float]:
+    """Log-axis limits: from the decade below the least value, with ``room`` (a share of the span) after the most."""
+    low = 10 ** math.floor(math.log10(min(values)))
+    high = max(values)
+    return low, high * (high / low) ** room
 
 
 def throughput(result: Result) -> Figure:
@@ -279,6 +325,152 @@ def replicas(result: Result) -> Figure:
     return drawn
 
 
+def peers(result: Result) -> Figure:
+    """Cycles per second of aiosem and its peers at each limit: ratio to the raw loop, over-admission, round trips."""
+    limits: list[int] = result["limits"]
+    scenarios = [[row for row in result["rows"] if row["limit"] == limit] for limit in limits]
+    # A row of panels per limit, as tall as its bars (and its title): every bar as thick as the others.
+    drawn, axes = figure(result, 6.6, columns=2, widths=(4, 1), heights=[len(rows) + 2 for rows in scenarios])
+    speeds, trips = axes[0::2], axes[1::2]
+    colours = {"raw": COLOURS["raw"], "aiosem-fair": COLOURS["fair"], "aiosem-locked": COLOURS["locked"]}
+    every = [row for rows in scenarios for row in rows]
+    speed_limits = log_span([row["cycles_per_second"] for row in every], 0.45)
+    trip_limits = log_span([row["round_trips_per_cycle"] for row in every], 0.45)
+    for speed, trip, limit, rows in zip(speeds, trips, limits, scenarios, strict=True):
+        trip.sharey(speed)
+        elsewhere = {row["peer"] for other in scenarios if other is not rows for row in other}
+        positions = range(len(rows))
+        fill = [colours.get(row["peer"], PEER) for row in rows]
+        over = [row["over_limit"] or 0 for row in rows]
+        bars = speed.barh(
+            positions,
+            [row["cycles_per_second"] for row in rows],
+            color=fill,
+            edgecolor=[ALARM if count else "none" for count in over],
+            linewidth=2,
+        )
+        labels = speed.bar_label(
+            bars, [f"{row['cycles_per_second']:,.0f}/s · {ratio(row['ratio_to_raw'])}" for row in rows], fontsize=8,
+            padding=3,
+        )  # fmt: skip
+        for label, count in zip(labels, over, strict=True):
+            if count:
+                speed.annotate(
+                    f"over limit: {count:,}", xy=(1, 0.5), xycoords=label, xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=8, fontweight="bold", color=ALARM,
+                )  # fmt: skip
+        speed.set_yticks(positions, [row["label"] for row in rows], fontsize=8)
+        speed.invert_yaxis()
+        speed.set_xscale("log")
+        speed.set_xlim(*speed_limits)
+        speed.xaxis.set_major_formatter(FuncFormatter(plain))
+        speed.grid(axis="x", color="#eeeeee")
+        mutex = ": a mutex" if limit == 1 else ""
+        alone = "; the locks run at this limit only" if any(row["peer"] not in elsewhere for row in rows) else ""
+        speed.set_title(f"limit {limit}{mutex}{alone}", fontsize=10, loc="left")
+        trip_bars = trip.barh(positions, [row["round_trips_per_cycle"] for row in rows], color=fill)
+        trip.bar_label(trip_bars, [f"{row['round_trips_per_cycle']:,.3g}" for row in rows], fontsize=7, padding=2)
+        trip.set_xscale("log")
+        trip.set_xlim(*trip_limits)
+        trip.xaxis.set_major_formatter(FuncFormatter(plain))
+        trip.tick_params(labelleft=False, labelsize=7)
+        trip.grid(axis="x", color="#eeeeee")
+        trip.set_title("round trips per cycle", fontsize=9)
+    speeds[-1].set_xlabel("acquire + release cycles per second (log scale)")
+    trips[-1].set_xlabel("socket writes (log)", fontsize=8)
+    drawn.suptitle(
+        f"aiosem beside its peers: {result['coroutines']} coroutines on one client, acquire, one event-loop pass, "
+        f"release\nbeside each bar: cycles/s and its ratio to the raw loop on the same server; "
+        "red: holds begun with the limit already in use",
+        fontsize=10,
+    )
+    return drawn
+
+
+def scaling(result: Result) -> Figure:
+    """Cycles per second with more processes; what waiters in one process cost Redis while idle, and connections."""
+    drawn, (cycles, commands, connections) = figure(result, 4.0, columns=3, widths=(1.2, 1, 1))
+    rows = result["processes"]
+    positions = range(len(rows))
+    bars = cycles.bar(positions, [row["cycles_per_second"] for row in rows], 0.6, color=COLOURS["fair"])
+    labels = cycles.bar_label(
+        bars,
+        [f"{row['cycles_per_second']:,.0f}/s\nover limit: {row['over_limit']}" for row in rows],
+        fontsize=7,
+        padding=2,
+    )
+    for label, row in zip(labels, rows, strict=True):
+        if row["over_limit"]:
+            label.set(color=ALARM, fontweight="bold")
+    cycles.set_xticks(positions, [str(row["processes"]) for row in rows])
+    each = rows[0]["coroutines"] // rows[0]["processes"]
+    cycles.set_xlabel(f"processes on limit {rows[0]['limit']}, {each} coroutines each")
+    cycles.set_ylabel("acquire + release cycles per second")
+    cycles.yaxis.set_major_formatter(FuncFormatter(thousands))
+    cycles.margins(x=0.08, y=0.2)
+    cycles.grid(axis="y", color="#eeeeee")
+    cycles.set_title("More processes, one semaphore", fontsize=10)
+
+    waiting = result["waiters"]
+    counts = [row["waiters"] for row in waiting]
+    recheck = waiting[0]["waiter_timeout_s"] / RECHECKS_PER_WAITER_TIMEOUT
+    target = [
+        row["waiters"] * COMMANDS_PER_WAITER * RECHECKS_PER_WAITER_TIMEOUT / row["waiter_timeout_s"] for row in waiting
+    ]
+    commands.plot(
+        counts, target, color="black", linestyle="--", linewidth=1, label="target: 1 per waiter\nper re-check"
+    )
+    commands.plot(
+        counts, [row["commands_per_s"] for row in waiting], color=COLOURS["fair"], marker="o", label="measured"
+    )
+    for row in waiting:
+        missed = not row["commands_target_met"]
+        commands.annotate(
+            f"{row['commands_per_s']:,.0f}", xy=(row["waiters"], row["commands_per_s"]), xytext=(0, 6),
+            textcoords="offset points", ha="center", fontsize=7, color=ALARM if missed else "black",
+            fontweight="bold" if missed else "normal",
+        )  # fmt: skip
+    commands.set_yscale("log")
+    commands.yaxis.set_major_formatter(FuncFormatter(plain))
+    commands.yaxis.set_minor_formatter(NullFormatter())
+    commands.set_ylabel("commands/s while idle (log)")
+    commands.legend(frameon=False, fontsize=7, loc="upper left")
+    commands.set_title(f"Idle cost, a re-check every {recheck:.3g} s", fontsize=10)
+
+    pool = waiting[0]["pool_size"]
+    bound = pool + EXTRA_CONNECTIONS
+    connections.axhline(
+        bound, color="black", linestyle="--", linewidth=1, label=f"target: pool ({pool}) + {EXTRA_CONNECTIONS}"
+    )
+    held = [row["connections"] for row in waiting]
+    connections.plot(counts, held, color=COLOURS["fair"], marker="o", label="held")
+    for row in waiting:
+        missed = not row["connections_target_met"]
+        connections.annotate(
+            f"{row['connections']}", xy=(row["waiters"], row["connections"]), xytext=(0, 6),
+            textcoords="offset points", ha="center", fontsize=7, color=ALARM if missed else "black",
+            fontweight="bold" if missed else "normal",
+        )  # fmt: skip
+    connections.set_ylim(0, max([bound, *held]) * 1.3)
+    connections.set_ylabel("connections to Redis")
+    connections.legend(frameon=False, fontsize=7, loc="upper left")
+    connections.set_title("Connections held", fontsize=10)
+    for ax in (commands, connections):
+        ax.set_xscale("log")
+        ax.set_xticks(counts)
+        ax.xaxis.set_major_formatter(FuncFormatter(thousands))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("waiters in one process")
+        ax.margins(x=0.15)
+        ax.grid(color="#eeeeee")
+    drawn.suptitle(
+        "AsyncFairSemaphore: processes on one semaphore, and waiters in one process on one permit held elsewhere\n"
+        "red: holds over the limit, or a target missed",
+        fontsize=10,
+    )
+    return drawn
+
+
 #: Each figure: its file, the result it reads, how it is drawn.
 FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
     ("bench-throughput.png", "throughput.json", throughput),
@@ -288,6 +480,8 @@ FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
     ("bench-rate.png", "rate.json", rate),
     ("bench-failover.png", "failover.json", failover),
     ("bench-replicas.png", "failover.json", replicas),
+    ("bench-peers.png", "peers.json", peers),
+    ("bench-scaling.png", "scaling.json", scaling),
 )
 
 

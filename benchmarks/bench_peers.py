@@ -1,0 +1,662 @@
+"""aiosem beside its peers: cycles per second, acquire latency, what a cycle costs Redis, and over-admission.
+
+In each scenario, 64 coroutines of one process share one client and run
+``acquire -> hold -> release`` in a loop for a fixed time, with a semaphore
+of limit 16 and then of limit 1 (a mutex). The rows, all on the scenario's
+own ``redis-server`` and measured one after the other in the same run:
+
+* ``raw EVALSHA loop``: `bench_throughput.RawLoop`, two EVALSHA round trips
+  per cycle and no logic -- the floor of redis-py's one-command-per-round-trip
+  path, and what every row is divided by (aiosem, which coalesces what its
+  coroutines ask at once into one call, can beat it);
+* the *Redis in Action* §6.3 fair semaphore (a counter, ``ZINTERSTORE``, two
+  ``MULTI`` pipelines, the client's ``time.time()``) and the same under the
+  book's lock, as `book` drives them: refused, a caller tries again every
+  millisecond;
+* redis-rate-limiters' ``AsyncSemaphore`` (``limiters``): a Redis list of
+  tokens, taken by ``BLPOP`` -- which holds a connection per waiter;
+* at limit 1 only, the two locks: redis-py's ``redis.asyncio.lock.Lock``
+  (one object per coroutine, ``thread_local=False``, its default 0.1 s
+  poll), and python-redis-lock's synchronous ``redis_lock.Lock`` (``SET NX``,
+  then ``BLPOP`` on a signal list), each acquire and release in a worker
+  thread with a synchronous client, as an asyncio user of it would;
+* aiosem's `AsyncFairSemaphore` and `AsyncLockedSemaphore`.
+
+Each row reports cycles/s, the ratio to the raw loop of the same scenario,
+the p50/p99 time ``acquire`` took, and, over the measured seconds:
+
+* ``commands/cycle``: the server's ``total_commands_processed`` delta (the
+  control connection's ``INFO`` taken off) over the cycles: every command
+  Redis ran, those inside scripts and inside ``MULTI`` included;
+* ``round trips/cycle``: writes to the sockets, counted on the client by
+  wrapping each connection's stream writer (the synchronous client's
+  ``send_packed_command``) -- a pipeline is one, and so is a step aiosem
+  makes for several coroutines at once, which their cycles share;
+  ``replies/cycle``: the replies read
+  (``read_response`` calls): top-level commands, pub/sub messages included;
+* ``connections``: connections open under the row's client name at the end
+  (pools keep what they opened, so this is the most the row needed);
+* ``busiest coroutine``: the share of the cycles made by the coroutine that
+  made the most (1/64, under 2 %, if all made as many): a peer that polls
+  lets the coroutine that just released take the lock again before the
+  sleeping ones look;
+* ``over limit``: holds that began while ``limit`` others were in progress,
+  counted by a plain in-use counter that every coroutine of the process
+  shares. The hold is one pass of the event loop (``await asyncio.sleep(0)``),
+  so that holders admitted together see each other; a count above 0 is
+  over-admission, reported and not failed on (the book's semaphores are
+  known to over-admit: §6.3.4).
+
+The servers (``$AIOSEM_REDIS_SERVER``, else the one on ``PATH``) listen on
+free loopback ports, without persistence, and are stopped by their PIDs; port
+6379 is never touched. ``redis-benchmark``'s PING rate is taken once, on the
+first server while it is idle, as the server's own ceiling.
+
+The peers come from PyPI: ``pip install redis-rate-limiters python-redis-lock``.
+
+Run it::
+
+    python benchmarks/bench_peers.py                  # 3 s per row, about 1 minute
+    python benchmarks/bench_peers.py --quick          # a smoke run, about 30 s
+    python benchmarks/bench_peers.py --json benchmarks/results/peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
+
+import anyio
+import anyio.to_thread
+import redis
+import redis.asyncio
+import redis.asyncio.lock
+import redis_lock  # type: ignore[import-untyped]  # python-redis-lock ships no type information
+from bench_throughput import (
+    GRACE,
+    HOST,
+    MAX_CONNECTIONS,
+    Cycler,
+    RawLoop,
+    environment,
+    markdown_table,
+    non_negative,
+    package_version,
+    percentile,
+    positive,
+    redis_benchmark_ping,
+)
+from book import BookFairSemaphore, BookLockedSemaphore
+from limiters import AsyncSemaphore
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from tests.support import RedisServer, find_redis_server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+#: Coroutines of the one process, sharing one client, in every row.
+COROUTINES: Final = 64
+#: The scenarios' limits, in the order they run.
+LIMITS: Final = (16, 1)
+#: Every peer's lease where it has one (the book's ``timeout=10``).
+LEASE: Final = 10.0
+#: How long one acquire may wait before a peer gives up, where it can be told.
+ACQUIRE_BOUND: Final = 30.0
+CONTROL_CLIENT: Final = "aiosem-bench-control"
+
+PeerName = Literal[
+    "raw", "book-fair", "book-locked", "limiters", "redis-py-lock", "python-redis-lock", "aiosem-fair", "aiosem-locked"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    label: str
+    #: The distribution whose version the JSON records.
+    package: str | None
+    #: A lock: run at limit 1 only.
+    mutex_only: bool = False
+
+
+#: In the order they run in each scenario: the floor first.
+PEERS: Final[dict[PeerName, Peer]] = {
+    "raw": Peer("raw EVALSHA loop", None),
+    "book-fair": Peer("book: fair semaphore (6.14)", None),
+    "book-locked": Peer("book: semaphore with lock (6.17)", None),
+    "limiters": Peer("redis-rate-limiters AsyncSemaphore", "redis-rate-limiters"),
+    "redis-py-lock": Peer("redis-py asyncio Lock", "redis", mutex_only=True),
+    "python-redis-lock": Peer("python-redis-lock (threads)", "python-redis-lock", mutex_only=True),
+    "aiosem-fair": Peer("aiosem AsyncFairSemaphore", "aiosem"),
+    "aiosem-locked": Peer("aiosem AsyncLockedSemaphore", "aiosem"),
+}
+
+
+# --- counting on the client ---------------------------------------------------
+
+
+class Wire:
+    """Writes to the sockets and replies read, over every counting connection.
+
+    Under a lock: python-redis-lock's worker threads count too.
+    """
+
+    __slots__ = ("_lock", "replies", "writes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.writes = 0
+        self.replies = 0
+
+    def __repr__(self) -> str:
+        return f"Wire(writes={self.writes}, replies={self.replies})"
+
+    def wrote(self) -> None:
+        with self._lock:
+            self.writes += 1
+
+    def read(self) -> None:
+        with self._lock:
+            self.replies += 1
+
+    def snapshot(self) -> tuple[int, int]:
+        with self._lock:
+            return self.writes, self.replies
+
+
+WIRE: Final = Wire()
+
+
+class CountingWriter:
+    """A connection's stream writer that counts its writes.
+
+    Counting here rather than in ``send_packed_command`` sees every write,
+    whoever makes it: a pipeline or a locked step's batch included.
+    """
+
+    __slots__ = ("_writer",)
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    def write(self, data: bytes) -> None:
+        WIRE.wrote()
+        self._writer.write(data)
+
+    def writelines(self, data: Any) -> None:
+        WIRE.wrote()
+        self._writer.writelines(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+class CountingConnection(redis.asyncio.Connection):
+    """redis.asyncio's connection, its writes and replies counted in `WIRE`."""
+
+    async def _connect(self) -> None:
+        await super()._connect()  # type: ignore[no-untyped-call]  # untyped in redis-py
+        if self._writer is not None:
+            # Anything redis-py does with its writer, the wrapper passes on.
+            self._writer = cast("asyncio.StreamWriter", CountingWriter(self._writer))
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        WIRE.read()
+        return await super().read_response(*args, **kwargs)
+
+
+class CountingSyncConnection(redis.Connection):
+    """redis-py's synchronous connection, counted the same way: it writes only through ``send_packed_command``."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        WIRE.wrote()
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]  # untyped in redis-py
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        WIRE.read()
+        return super().read_response(*args, **kwargs)
+
+
+# --- the peers, in the semaphores' acquire/release shape -------------------------
+
+
+class LimitersSemaphore:
+    """redis-rate-limiters' ``AsyncSemaphore``, whose entry and exit are its acquire and release.
+
+    It keeps no token (a permit is an item popped off a Redis list), so one
+    object serves every coroutine. Its ``max_sleep`` bounds the ``BLPOP``:
+    the default, 0, waits for ever.
+    """
+
+    __slots__ = ("_semaphore",)
+
+    def __init__(self, client: redis.asyncio.Redis, name: str, limit: int) -> None:
+        self._semaphore = AsyncSemaphore(connection=client, name=name, capacity=limit, max_sleep=ACQUIRE_BOUND)
+
+    def __repr__(self) -> str:
+        return f"LimitersSemaphore({self._semaphore})"
+
+    async def acquire(self) -> bool:
+        # The context manager's halves, called apart: the other rows' cycle shape.
+        await self._semaphore.__aenter__()
+        return True
+
+    async def release(self, permit: bool) -> None:
+        await self._semaphore.__aexit__(None, None, None)
+
+
+class RedisPyLock:
+    """redis-py's asyncio ``Lock``, used correctly: one object per coroutine, its token not thread-local.
+
+    By default the token lives in a ``threading.local``, which every task of
+    the thread shares: one task could then release another's lock. With
+    ``thread_local=False`` each object keeps its own, so each coroutine needs
+    its own object (all of the same name). The poll (``sleep=0.1``) is left
+    as a user gets it.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
+        self._lock = redis.asyncio.lock.Lock(
+            client, name, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND, thread_local=False
+        )
+
+    def __repr__(self) -> str:
+        return f"RedisPyLock({self._lock.name!r})"
+
+    async def acquire(self) -> redis.asyncio.lock.Lock | None:
+        return self._lock if await self._lock.acquire() else None
+
+    async def release(self, permit: redis.asyncio.lock.Lock) -> None:
+        await permit.release()
+
+
+class ThreadedRedisLock:
+    """python-redis-lock's synchronous ``Lock``, one per coroutine, each call in a worker thread.
+
+    Its ``timeout`` bounds each ``BLPOP`` on the signal list (it may not
+    exceed ``expire``); a waiter woken but beaten to the lock waits again.
+    """
+
+    __slots__ = ("_limiter", "_lock")
+
+    def __init__(self, client: redis.Redis, name: str, limiter: anyio.CapacityLimiter) -> None:
+        self._lock = redis_lock.Lock(client, name, expire=int(LEASE))
+        self._limiter = limiter
+
+    def __repr__(self) -> str:
+        return f"ThreadedRedisLock({self._lock._name!r})"  # noqa: SLF001 -- its only name
+
+    async def acquire(self) -> bool | None:
+        acquire = partial(self._lock.acquire, blocking=True, timeout=int(LEASE))
+        acquired: bool = await anyio.to_thread.run_sync(acquire, limiter=self._limiter)
+        return True if acquired else None
+
+    async def release(self, permit: bool) -> None:
+        await anyio.to_thread.run_sync(self._lock.release, limiter=self._limiter)
+
+
+@dataclass(frozen=True, slots=True)
+class Clients:
+    """A row's clients, both named after the row, both counting."""
+
+    asynchronous: redis.asyncio.Redis
+    synchronous: redis.Redis
+
+
+def new_clients(port: int, client_name: str) -> Clients:
+    # Bounded pools, as a service's should be, large enough for a connection
+    # per coroutine: the BLPOP peers hold one per waiter.
+    pool = redis.asyncio.BlockingConnectionPool(
+        host=HOST,
+        port=port,
+        max_connections=MAX_CONNECTIONS,
+        timeout=GRACE,
+        connection_class=CountingConnection,
+        client_name=client_name,
+    )
+    sync_pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]  # untyped in redis-py
+        host=HOST,
+        port=port,
+        max_connections=MAX_CONNECTIONS,
+        timeout=GRACE,
+        connection_class=CountingSyncConnection,
+        client_name=client_name,
+        # Longer than a BLPOP may block (the lease): no thread waits for ever.
+        socket_timeout=LEASE + GRACE,
+    )
+    return Clients(redis.asyncio.Redis.from_pool(pool), redis.Redis.from_pool(sync_pool))
+
+
+@asynccontextmanager
+async def contenders(peer: PeerName, clients: Clients, name: str, limit: int) -> AsyncIterator[list[Cycler[Any]]]:
+    """One cycler per coroutine: a shared object, or one each where the object holds the token."""
+    client = clients.asynchronous
+    semaphore: AsyncFairSemaphore | AsyncLockedSemaphore | None = None
+    cyclers: list[Cycler[Any]]
+    if peer == "raw":
+        cyclers = [await RawLoop.load(client, f"bench:{{{name}}}")] * COROUTINES
+    elif peer == "book-fair":
+        cyclers = [BookFairSemaphore(client, name, limit, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND)] * COROUTINES
+    elif peer == "book-locked":
+        cyclers = [BookLockedSemaphore(client, name, limit, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND)] * COROUTINES
+    elif peer == "limiters":
+        cyclers = [LimitersSemaphore(client, name, limit)] * COROUTINES
+    elif peer == "redis-py-lock":
+        cyclers = [RedisPyLock(client, name) for _ in range(COROUTINES)]
+    elif peer == "python-redis-lock":
+        # A thread per coroutine: each may sit in a BLPOP (anyio's default is 40).
+        threads = anyio.CapacityLimiter(COROUTINES)
+        cyclers = [ThreadedRedisLock(clients.synchronous, name, threads) for _ in range(COROUTINES)]
+    else:
+        kind = AsyncFairSemaphore if peer == "aiosem-fair" else AsyncLockedSemaphore
+        semaphore = kind(client, name, limit, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND)
+        cyclers = [semaphore] * COROUTINES
+    try:
+        yield cyclers
+    finally:
+        if semaphore is not None:
+            await semaphore.aclose()
+
+
+# --- the measurement -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Tally:
+    """The in-use counter every coroutine of the process shares."""
+
+    limit: int | None
+    in_use: int = 0
+    most_in_use: int = 0
+    over_limit: int = 0
+
+
+async def cycle_loop(cycler: Cycler[Any], stop_at: float, latencies: list[float], tally: Tally) -> int:
+    cycles = 0
+    while time.perf_counter() < stop_at:
+        started = time.perf_counter()
+        permit = await cycler.acquire()
+        latencies.append(time.perf_counter() - started)
+        if permit is None:
+            raise RuntimeError(f"acquire gave up after {ACQUIRE_BOUND:g} s")
+        tally.in_use += 1
+        tally.most_in_use = max(tally.most_in_use, tally.in_use)
+        if tally.limit is not None and tally.in_use > tally.limit:
+            tally.over_limit += 1
+        # The hold: one pass of the event loop, so that holds admitted
+        # together overlap here as they do in Redis.
+        await asyncio.sleep(0)
+        tally.in_use -= 1
+        await cycler.release(permit)
+        cycles += 1
+    return cycles
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    cycles: int
+    seconds: float
+    latencies: list[float]
+    tally: Tally
+    #: The cycles of the coroutine that made the most.
+    busiest: int
+
+
+async def run_phase(cyclers: Sequence[Cycler[Any]], limit: int | None, seconds: float) -> Phase:
+    latencies: list[float] = []
+    tally = Tally(limit)
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(cycle_loop(cycler, start + seconds, latencies, tally)) for cycler in cyclers]
+    _, pending = await asyncio.wait(tasks, timeout=seconds + GRACE)
+    # Cycles that finish after the deadline count, so the time they took does too.
+    elapsed = time.perf_counter() - start
+    if pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=GRACE)
+        raise RuntimeError(f"{len(pending)} of {len(tasks)} coroutines were still in a cycle {GRACE:g} s after the end")
+    counts = [task.result() for task in tasks]  # raises what a coroutine raised
+    return Phase(sum(counts), elapsed, latencies, tally, max(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    peer: PeerName
+    label: str
+    limit: int
+    coroutines: int
+    cycles: int
+    seconds: float
+    cycles_per_second: float
+    acquire_p50_ms: float
+    acquire_p99_ms: float
+    #: Every command the server ran (inside scripts and MULTI too), per cycle.
+    commands_per_cycle: float
+    #: Socket writes per cycle, counted on the client.
+    round_trips_per_cycle: float
+    #: Replies read per cycle, counted on the client: top-level commands and pub/sub messages.
+    replies_per_cycle: float
+    #: Connections open under the row's client name at the end.
+    connections: int
+    #: Holds that began with ``limit`` others in progress (None for the raw loop, which has no limit).
+    over_limit: int | None
+    most_in_use: int
+    #: The busiest coroutine's share of the cycles (1/64 if all had as many): a poll lets one coroutine hog.
+    busiest_share: float
+    #: The commands Redis ran, by name, per cycle (commandstats; the most frequent first).
+    commands_by_name: dict[str, float]
+    #: cycles/s over the raw loop's in the same scenario.
+    ratio_to_raw: float | None = None
+
+
+def commandstats_calls(stats: dict[str, Any]) -> dict[str, int]:
+    """Calls by command name, from an INFO reply that holds the commandstats section among others."""
+    return {
+        name.removeprefix("cmdstat_"): int(entry["calls"])
+        for name, entry in stats.items()
+        if name.startswith("cmdstat_")
+    }
+
+
+async def measure_row(
+    port: int, control: redis.asyncio.Redis, peer: PeerName, limit: int, *, duration: float, warmup: float
+) -> RowResult:
+    # A client and a name of its own: no row inherits another's connections or keys.
+    name = f"bench-peers-{peer}-{limit}"
+    clients = new_clients(port, name)
+    try:
+        async with contenders(peer, clients, name, limit) as cyclers:
+            bound = None if peer == "raw" else limit
+            if warmup > 0:
+                # Opens the connections and loads the scripts: not what a steady state costs.
+                await run_phase(cyclers, bound, warmup)
+            before = await control.info("stats", "commandstats")
+            writes, replies = WIRE.snapshot()
+            phase = await run_phase(cyclers, bound, duration)
+            writes_after, replies_after = WIRE.snapshot()
+            after = await control.info("stats", "commandstats")
+            listed = await control.client_list()
+    finally:
+        await clients.asynchronous.aclose()
+        await clients.asynchronous.connection_pool.aclose()
+        # Its threads are done by now: closing only closes sockets.
+        clients.synchronous.close()
+
+    cycles = max(1, phase.cycles)
+    # The first INFO shows in the second's count once it has run; none of the peers sends INFO.
+    commands = int(after["total_commands_processed"]) - int(before["total_commands_processed"]) - 1
+    calls_before = commandstats_calls(before)
+    by_name = {
+        command: round((calls - calls_before.get(command, 0)) / cycles, 3)
+        for command, calls in commandstats_calls(after).items()
+        if command != "info" and calls > calls_before.get(command, 0)
+    }
+    latencies = sorted(phase.latencies)
+    return RowResult(
+        peer=peer,
+        label=PEERS[peer].label,
+        limit=limit,
+        coroutines=COROUTINES,
+        cycles=phase.cycles,
+        seconds=round(phase.seconds, 3),
+        cycles_per_second=round(phase.cycles / phase.seconds, 1),
+        acquire_p50_ms=round(percentile(latencies, 0.50) * 1000, 3),
+        acquire_p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
+        commands_per_cycle=round(commands / cycles, 2),
+        round_trips_per_cycle=round((writes_after - writes) / cycles, 2),
+        replies_per_cycle=round((replies_after - replies) / cycles, 2),
+        connections=sum(1 for entry in listed if entry.get("name") == name),
+        over_limit=None if bound is None else phase.tally.over_limit,
+        most_in_use=phase.tally.most_in_use,
+        busiest_share=round(phase.busiest / cycles, 3),
+        commands_by_name=dict(sorted(by_name.items(), key=lambda item: -item[1])),
+    )
+
+
+async def run_scenario(port: int, limit: int, duration: float, warmup: float) -> list[RowResult]:
+    control = redis.asyncio.Redis(host=HOST, port=port, client_name=CONTROL_CLIENT)
+    rows: list[RowResult] = []
+    try:
+        for peer, spec in PEERS.items():
+            if spec.mutex_only and limit != 1:
+                continue
+            print(f"  limit {limit}: {spec.label} ...", file=sys.stderr, flush=True)
+            # No row starts on another's keys (the book's leftover entries, a list of tokens).
+            await control.flushall()
+            rows.append(await measure_row(port, control, peer, limit, duration=duration, warmup=warmup))
+    finally:
+        await control.aclose()
+    raw = next((row.cycles_per_second for row in rows if row.peer == "raw"), None)
+    return [replace(row, ratio_to_raw=round(row.cycles_per_second / raw, 3)) if raw else row for row in rows]
+
+
+# --- the report ------------------------------------------------------------
+
+
+def results_table(rows: Sequence[RowResult]) -> str:
+    header = (
+        "peer",
+        "limit",
+        "cycles/s",
+        "vs raw",
+        "acquire p50 ms",
+        "acquire p99 ms",
+        "commands/cycle",
+        "round trips/cycle",
+        "replies/cycle",
+        "connections",
+        "over limit",
+        "most in use",
+        "busiest coroutine",
+    )
+    body = [
+        (
+            row.label,
+            str(row.limit),
+            f"{row.cycles_per_second:,.0f}",
+            "n/a" if row.ratio_to_raw is None else f"{row.ratio_to_raw:.2f}",
+            f"{row.acquire_p50_ms:.3f}",
+            f"{row.acquire_p99_ms:.3f}",
+            f"{row.commands_per_cycle:.2f}",
+            f"{row.round_trips_per_cycle:.2f}",
+            f"{row.replies_per_cycle:.2f}",
+            str(row.connections),
+            "-" if row.over_limit is None else (f"**{row.over_limit:,}**" if row.over_limit else "0"),
+            str(row.most_in_use),
+            f"{row.busiest_share:.0%}",
+        )
+        for row in rows
+    ]
+    return (
+        f"{COROUTINES} coroutines, one client, acquire -> one event-loop pass -> release; commands: every command "
+        "Redis ran (scripts' and MULTI's included); round trips: socket writes; replies: replies read\n\n"
+        + markdown_table(header, body)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    duration: float
+    warmup: float
+
+
+FULL: Final = Plan(duration=3.0, warmup=0.5)
+QUICK: Final = Plan(duration=1.0, warmup=0.25)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK.duration:g} s per row")
+    parser.add_argument("--duration", type=positive, help=f"seconds measured per row (default {FULL.duration:g})")
+    parser.add_argument(
+        "--warmup", type=non_negative, help=f"unmeasured seconds before each row (default {FULL.warmup:g})"
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    duration = plan.duration if args.duration is None else args.duration
+    warmup = plan.warmup if args.warmup is None else args.warmup
+
+    binary = find_redis_server()
+    if binary is None:
+        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    versions: set[str] = set()
+    ping: dict[str, float] | None = None
+    rows: list[RowResult] = []
+    for limit in LIMITS:
+        with (
+            tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
+            RedisServer(binary, Path(directory)) as server,
+        ):
+            print(f"redis-server {server.version} on {server.host}:{server.port}", file=sys.stderr)
+            versions.add(server.version)
+            if limit == LIMITS[0]:
+                # While the server is idle: the PING rate is the server's ceiling, not ours.
+                ping = redis_benchmark_ping(server.port)
+            rows.extend(asyncio.run(run_scenario(server.port, limit, duration, warmup)))
+
+    print()
+    print(results_table(rows))
+    print()
+    if ping is None:
+        print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
+    else:
+        print("redis-benchmark PING: " + ", ".join(f"{name} {rate:,.0f} requests/s" for name, rate in ping.items()))
+
+    if args.json is not None:
+        report = {
+            **environment(sorted(versions)),
+            "peers": {
+                peer: {"label": spec.label, "package": spec.package, "version": package_version(spec.package)}
+                for peer, spec in PEERS.items()
+                if spec.package is not None
+            },
+            "quick": args.quick,
+            "duration_s": duration,
+            "warmup_s": warmup,
+            "coroutines": COROUTINES,
+            "limits": list(LIMITS),
+            "lease_s": LEASE,
+            "redis_benchmark_ping": ping,
+            "rows": [asdict(row) for row in rows],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
