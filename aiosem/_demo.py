@@ -26,6 +26,7 @@ import redis
 import redis.asyncio
 
 from . import recipes
+from ._exceptions import PermitLost
 from ._fair import AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore
 from ._scripts import ALL_SCRIPTS
@@ -84,9 +85,17 @@ class Result:
     grants: int
     peak: int
     over_limit: int
+    #: Holds whose permit was lost before they ended (`PermitLost`): a holder
+    #: stalled past its lease, which the limit survives.
+    lost: int = 0
 
     def __add__(self, other: Result) -> Result:
-        return Result(self.grants + other.grants, max(self.peak, other.peak), self.over_limit + other.over_limit)
+        return Result(
+            self.grants + other.grants,
+            max(self.peak, other.peak),
+            self.over_limit + other.over_limit,
+            self.lost + other.lost,
+        )
 
 
 Holder = Callable[[], contextlib.AbstractAsyncContextManager[None]]
@@ -145,7 +154,7 @@ def _holder(client: Client, config: Config) -> Holder:
 
 async def _work(config: Config) -> Result:
     client = connect(config.url)
-    grants = peak = over = 0
+    grants = peak = over = lost = 0
     try:
         hold = _holder(client, config)
         await client.incr(config.ready_key)
@@ -156,8 +165,12 @@ async def _work(config: Config) -> Result:
         end = Deadline(config.duration)
 
         async def loop() -> None:
-            nonlocal grants, peak, over
             while not end.passed():
+                await hold_once()
+
+        async def hold_once() -> None:
+            nonlocal grants, peak, over, lost
+            try:
                 async with hold():
                     in_use = await client.incr(config.in_use_key)
                     grants += 1
@@ -165,11 +178,15 @@ async def _work(config: Config) -> Result:
                     over += in_use > config.limit
                     await asyncio.sleep(random.uniform(0, 2 * config.hold))
                     await client.decr(config.in_use_key)
+            except PermitLost:
+                # Counted, not fatal: the lease ran out under the body (its process stalled),
+                # and the in-use counter tells whether anybody ran over the limit meanwhile.
+                lost += 1
 
         await asyncio.gather(*(loop() for _ in range(config.coroutines)))
     finally:
         await close(client)
-    return Result(grants, peak, over)
+    return Result(grants, peak, over, lost)
 
 
 def _worker_process(config: Config) -> Result:
@@ -267,5 +284,8 @@ def main(config: Config, *, embedded: bool) -> int:
     )
     result = run(config, on_tick=_live_view(config.limit, config.duration))
     print()
-    print(f"grants {result.grants}  peak in use {result.peak}/{config.limit}  over limit {result.over_limit}")
+    print(
+        f"grants {result.grants}  peak in use {result.peak}/{config.limit}  over limit {result.over_limit}"
+        f"  permits lost {result.lost}"
+    )
     return 0 if result.over_limit == 0 else 1

@@ -17,6 +17,8 @@ by redis-py.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["AcquireTimeout", "LimitMismatch", "NotReplicated", "PermitLost", "SemaphoreError"]
 
 
@@ -31,6 +33,19 @@ class SemaphoreError(Exception):
         super().__init__(message)
         #: The name of the semaphore.
         self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled -- sent back from a worker process, say -- as its class, its
+        # message and its attributes: the constructors take keywords, which
+        # an exception's own pickling cannot pass.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[SemaphoreError], args: tuple[Any, ...], attributes: dict[str, Any]) -> SemaphoreError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(attributes)
+    return error
 
 
 class AcquireTimeout(SemaphoreError, TimeoutError):

@@ -37,7 +37,8 @@ def test_the_limit_holds_across_processes(topology_url: str, kind: Kind) -> None
     )
     result = run(config)
     # The figures for the record: shown with `pytest -s`.
-    print(f"{kind}: {result.grants} grants, peak {result.peak}/{limit}, {result.over_limit} over the limit")  # noqa: T201
+    figures = f"{result.grants} grants, peak {result.peak}/{limit}, {result.over_limit} over the limit"
+    print(f"{kind}: {figures}, {result.lost} permits lost")  # noqa: T201
     assert result.over_limit == 0
     assert result.peak == limit  # the limit was reached, so it was really contended
     assert result.grants >= 100

@@ -1,0 +1,51 @@
+"""The exceptions: a hierarchy under SemaphoreError, messages that name the semaphore, and pickling.
+
+A worker process (a `ProcessPoolExecutor`, multiprocessing, a task queue)
+sends its exception back pickled: every aiosem exception must come back
+whole, with its message and its attributes.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from aiosem import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
+
+EXAMPLES = [
+    pytest.param(SemaphoreError("semaphore 'db' stayed busy", name="db"), id="SemaphoreError"),
+    pytest.param(AcquireTimeout(name="db", blocking_timeout=1.5), id="AcquireTimeout"),
+    pytest.param(LimitMismatch(name="db", limit=3, stored_limit=5), id="LimitMismatch"),
+    pytest.param(NotReplicated(name="db", replicas=2, acknowledged=1), id="NotReplicated"),
+    pytest.param(PermitLost(name="db", identifier="0123abcd.4567ef"), id="PermitLost"),
+]
+
+
+@pytest.mark.parametrize("error", EXAMPLES)
+def test_every_exception_is_a_semaphore_error_naming_its_semaphore(error: SemaphoreError) -> None:
+    assert isinstance(error, SemaphoreError)
+    assert error.name == "db"
+    assert "'db'" in str(error)
+
+
+@pytest.mark.parametrize("error", EXAMPLES)
+def test_an_exception_comes_back_whole_from_a_pickle(error: SemaphoreError) -> None:
+    again = pickle.loads(pickle.dumps(error))  # noqa: S301 -- our own bytes
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+    assert again.args == error.args
+    assert vars(again) == vars(error)
+
+
+def test_an_acquire_timeout_is_a_timeout_error_too() -> None:
+    error = AcquireTimeout(name="db", blocking_timeout=1.5)
+    assert isinstance(error, TimeoutError)
+    assert str(error) == "no permit of semaphore 'db' within 1.5 s"
+    assert error.blocking_timeout == 1.5
+
+
+def test_a_lost_permit_names_its_identifier() -> None:
+    error = PermitLost(name="db", identifier="0123abcd.4567ef")
+    assert error.identifier == "0123abcd.4567ef"
+    assert str(error) == "permit 0123abcd.4567ef of semaphore 'db' was lost: its lease ran out"
