@@ -59,9 +59,9 @@ async def fair_step(
 
     A release with a ``call`` id leaves a receipt for as long as a step may
     take: the same call, tried again after its reply was lost, answers what
-    the first try released. With ``replicas``, the script is followed by a ``WAIT`` of at most
-    ``replication_timeout`` on its connection, and the reply says how many
-    replicas acknowledged it.
+    the first try released. With ``replicas``, the script is followed by a
+    ``WAIT`` of at most ``replication_timeout`` on its connection, and the
+    reply says how many replicas acknowledged it.
     """
     args = [
         format_now(now),
