@@ -88,6 +88,7 @@ from bench_throughput import (
     MAX_CONNECTIONS,
     Cycler,
     RawLoop,
+    commandstats_calls,
     environment,
     markdown_table,
     non_negative,
@@ -459,15 +460,6 @@ class RowResult:
     commands_by_name: dict[str, float]
     #: cycles/s over the raw loop's in the same scenario.
     ratio_to_raw: float | None = None
-
-
-def commandstats_calls(stats: dict[str, Any]) -> dict[str, int]:
-    """Calls by command name, from an INFO reply that holds the commandstats section among others."""
-    return {
-        name.removeprefix("cmdstat_"): int(entry["calls"])
-        for name, entry in stats.items()
-        if name.startswith("cmdstat_")
-    }
 
 
 async def measure_row(

@@ -51,7 +51,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass, replace
@@ -61,13 +60,14 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
 import anyio
 import redis.asyncio
-from bench_throughput import HOST, environment, markdown_table, new_client, percentile
+from bench_throughput import HOST, commandstats_calls, environment, markdown_table, new_client, percentile
+from bench_waiting import Peer, next_message, on_fresh_server, open_stdin, report, verdict
 
 from aiosem import AsyncFairSemaphore
-from tests.support import RedisServer, find_redis_server
+from tests.support import find_redis_server
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Coroutine, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
 Message: TypeAlias = dict[str, Any]
 T = TypeVar("T")
@@ -78,8 +78,6 @@ STEP_TIMEOUT: Final = 30.0
 #: How long a helper process lives at most, whatever happens to this one.
 ROLE_LIFETIME: Final = 300.0
 POLL_PAUSE: Final = 0.01
-#: A worker's report carries every hold's span: far longer than asyncio's 64 KiB line.
-LINE_LIMIT: Final = 256 * 1024 * 1024
 
 # processes
 PROCESS_COUNTS: Final = (1, 2, 4, 8)
@@ -109,88 +107,18 @@ HANDOFF_BOUND_PER_WAITER: Final = 0.005
 # --- the other processes ----------------------------------------------------------
 
 
-class Helper:
-    """Another process running this file with ``--role``, spoken to over its stdin and stdout."""
-
-    __slots__ = ("_process", "_stdin", "_stdout", "role")
-
-    def __init__(self, role: str, process: asyncio.subprocess.Process) -> None:
-        if process.stdin is None or process.stdout is None:
-            raise ValueError("the process needs piped stdin and stdout")
-        self.role = role
-        self._process = process
-        self._stdin = process.stdin
-        self._stdout = process.stdout
-
-    def __repr__(self) -> str:
-        return f"Helper(role={self.role!r}, pid={self._process.pid}, returncode={self._process.returncode})"
-
-    @classmethod
-    async def start(cls, role: str, port: int, **config: Any) -> Helper:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, SCRIPT, "--role", role, "--port", str(port), "--config", json.dumps(config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
-        )  # fmt: skip
-        return cls(role, process)
-
-    async def send(self, **message: Any) -> None:
-        self._stdin.write(json.dumps(message).encode() + b"\n")
-        await self._stdin.drain()
-
-    async def receive(self, within: float = STEP_TIMEOUT) -> Message:
-        """The next message; `TimeoutError` if none comes ``within`` seconds."""
-        line = await asyncio.wait_for(self._stdout.readline(), within)
-        if not line:
-            raise RuntimeError(f"the {self.role} process ended unexpectedly (exit code {self._process.returncode})")
-        message: Message = json.loads(line)
-        if "error" in message:
-            raise RuntimeError(f"the {self.role} process failed: {message['error']}")
-        return message
-
-    def kill(self) -> None:
-        """SIGKILL the process, by its PID."""
-        if self._process.returncode is None:
-            self._process.kill()
-
-    async def close(self) -> None:
-        """Close its stdin (it exits on EOF), then kill it if it lingers."""
-        if not self._stdin.is_closing():
-            self._stdin.close()
-        try:
-            await asyncio.wait_for(self._process.wait(), 10)
-        except TimeoutError:
-            self.kill()
-            await asyncio.wait_for(self._process.wait(), 10)
-
-
-async def helpers(role: str, port: int, copies: int, **config: Any) -> list[Helper]:
+async def helpers(role: str, port: int, copies: int, **config: Any) -> list[Peer]:
     """Start ``copies`` helpers of one role, one after the other; kill those started if one fails to."""
-    started: list[Helper] = []
+    started: list[Peer] = []
     try:
         for _ in range(copies):
-            helper = await Helper.start(role, port, **config)
+            helper = await Peer.start(role, port, script=SCRIPT, **config)
             started.append(helper)
     except BaseException:
         for helper in started:
             helper.kill()
         raise
     return started
-
-
-def report(**message: Any) -> None:
-    print(json.dumps(message), flush=True)
-
-
-async def open_stdin() -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    return reader
-
-
-async def next_message(stdin: asyncio.StreamReader) -> Message | None:
-    line = await stdin.readline()
-    return json.loads(line) if line else None
 
 
 async def sleep_until(moment: float) -> None:
@@ -423,15 +351,6 @@ class WaitersResult:
     all_passed: bool
 
 
-def commandstats_calls(stats: dict[str, Any]) -> dict[str, int]:
-    """Calls by command name, from an INFO reply that holds the commandstats section among others."""
-    return {
-        name.removeprefix("cmdstat_"): int(entry["calls"])
-        for name, entry in stats.items()
-        if name.startswith("cmdstat_")
-    }
-
-
 async def until(predicate: Callable[[], Awaitable[bool]], what: str, within: float = STEP_TIMEOUT) -> None:
     """Poll ``predicate`` until it holds; `TimeoutError` if it does not ``within`` seconds."""
     deadline = time.perf_counter() + within
@@ -554,10 +473,6 @@ async def measure_waiters(port: int, *, waiters: int, window: float) -> WaitersR
 # --- the report ------------------------------------------------------------
 
 
-def verdict(met: bool) -> str:
-    return "yes" if met else "**no**"
-
-
 def processes_table(results: Sequence[ProcessesResult]) -> str:
     header = (
         "processes",
@@ -647,19 +562,6 @@ class Plan:
 
 FULL: Final = Plan(duration=3.0, warmup=0.5, idle_window=4.0)
 QUICK: Final = Plan(duration=1.0, warmup=0.25, idle_window=2.0)
-
-
-def on_fresh_server(
-    binary: str, versions: set[str], label: str, scenario: Callable[[int], Coroutine[Any, Any, T]]
-) -> T:
-    """Run ``scenario(port)`` in a new event loop, against a new ``redis-server``."""
-    print(f"  {label} ...", file=sys.stderr, flush=True)
-    with (
-        tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
-        RedisServer(binary, Path(directory)) as server,
-    ):
-        versions.add(server.version)
-        return asyncio.run(scenario(server.port))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
 
 import redis
 import redis.asyncio
@@ -321,6 +321,15 @@ def results_table(results: Sequence[ScenarioResult]) -> str:
         for result in results
     ]
     return markdown_table(header, rows)
+
+
+def commandstats_calls(stats: dict[str, Any]) -> dict[str, int]:
+    """Calls by command name, from an INFO reply that holds the commandstats section among others."""
+    return {
+        name.removeprefix("cmdstat_"): int(entry["calls"])
+        for name, entry in stats.items()
+        if name.startswith("cmdstat_")
+    }
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -75,6 +75,9 @@ SCRIPT: Final = str(Path(__file__).resolve())
 
 #: How long any one step -- a wait for a reply, a condition, a grant -- may take.
 STEP_TIMEOUT: Final = 30.0
+#: The longest line a helper may report: a report can carry every span a
+#: worker measured, far beyond asyncio's default of 64 KiB.
+LINE_LIMIT: Final = 256 * 1024 * 1024
 #: How long a helper process lives at most, whatever happens to this one.
 ROLE_LIFETIME: Final = 300.0
 #: Pause between two looks at a condition polled in Redis.
@@ -167,12 +170,15 @@ class Peer:
         self._stdin = process.stdin
         self._stdout = process.stdout
 
+    def __repr__(self) -> str:
+        return f"Peer(role={self.role!r}, pid={self._process.pid}, returncode={self._process.returncode})"
+
     @classmethod
-    async def start(cls, role: str, port: int, **config: Any) -> Peer:
-        """Start a helper and wait for its first message (``ready``, or what the role reports first)."""
+    async def start(cls, role: str, port: int, *, script: str = SCRIPT, **config: Any) -> Peer:
+        """Start ``script`` (by default this file) with ``--role``; its messages are read with `receive`."""
         process = await asyncio.create_subprocess_exec(
-            sys.executable, SCRIPT, "--role", role, "--port", str(port), "--config", json.dumps(config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable, script, "--role", role, "--port", str(port), "--config", json.dumps(config),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
         )  # fmt: skip
         return cls(role, process)
 
@@ -180,9 +186,9 @@ class Peer:
         self._stdin.write(json.dumps(message).encode() + b"\n")
         await self._stdin.drain()
 
-    async def receive(self) -> Message:
-        """The next message; `TimeoutError` after `STEP_TIMEOUT`."""
-        line = await asyncio.wait_for(self._stdout.readline(), STEP_TIMEOUT)
+    async def receive(self, within: float = STEP_TIMEOUT) -> Message:
+        """The next message; `TimeoutError` if none comes ``within`` seconds."""
+        line = await asyncio.wait_for(self._stdout.readline(), within)
         if not line:
             raise RuntimeError(f"the {self.role} process ended unexpectedly (exit code {self._process.returncode})")
         message: Message = json.loads(line)

@@ -387,6 +387,16 @@ def peers(result: Result) -> Figure:
     return drawn
 
 
+def label_points(axes: Axes, rows: Sequence[Result], key: str, met: str, form: str) -> None:
+    """Write each row's ``key`` above its point, in red and bold where its target (``met``) was missed."""
+    for row in rows:
+        missed = not row[met]
+        axes.annotate(
+            form.format(row[key]), xy=(row["waiters"], row[key]), xytext=(0, 6), textcoords="offset points",
+            ha="center", fontsize=7, color=ALARM if missed else "black", fontweight="bold" if missed else "normal",
+        )  # fmt: skip
+
+
 def scaling(result: Result) -> Figure:
     """Cycles per second with more processes; what waiters in one process cost Redis while idle, and connections."""
     drawn, (cycles, commands, connections) = figure(result, 4.0, columns=3, widths=(1.2, 1, 1))
@@ -423,13 +433,7 @@ def scaling(result: Result) -> Figure:
     commands.plot(
         counts, [row["commands_per_s"] for row in waiting], color=COLOURS["fair"], marker="o", label="measured"
     )
-    for row in waiting:
-        missed = not row["commands_target_met"]
-        commands.annotate(
-            f"{row['commands_per_s']:,.0f}", xy=(row["waiters"], row["commands_per_s"]), xytext=(0, 6),
-            textcoords="offset points", ha="center", fontsize=7, color=ALARM if missed else "black",
-            fontweight="bold" if missed else "normal",
-        )  # fmt: skip
+    label_points(commands, waiting, "commands_per_s", "commands_target_met", "{:,.0f}")
     commands.set_yscale("log")
     commands.yaxis.set_major_formatter(FuncFormatter(plain))
     commands.yaxis.set_minor_formatter(NullFormatter())
@@ -444,13 +448,7 @@ def scaling(result: Result) -> Figure:
     )
     held = [row["connections"] for row in waiting]
     connections.plot(counts, held, color=COLOURS["fair"], marker="o", label="held")
-    for row in waiting:
-        missed = not row["connections_target_met"]
-        connections.annotate(
-            f"{row['connections']}", xy=(row["waiters"], row["connections"]), xytext=(0, 6),
-            textcoords="offset points", ha="center", fontsize=7, color=ALARM if missed else "black",
-            fontweight="bold" if missed else "normal",
-        )  # fmt: skip
+    label_points(connections, waiting, "connections", "connections_target_met", "{}")
     connections.set_ylim(0, max([bound, *held]) * 1.3)
     connections.set_ylabel("connections to Redis")
     connections.legend(frameon=False, fontsize=7, loc="upper left")
