@@ -64,6 +64,7 @@ def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
+    session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
     session.run("python", "benchmarks/bench_holding.py", "--json", "benchmarks/results/holding.json")
     session.run("python", "benchmarks/bench_rate.py", "--json", "benchmarks/results/rate.json")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import weakref
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, Union
 
 import anyio
 import redis
@@ -28,10 +28,12 @@ from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, 
 from ._timing import SHORTEST_STEP_BOUND, Bound
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from redis.asyncio.cluster import ClusterNode
     from redis.asyncio.connection import AbstractConnection
+
+T = TypeVar("T")
 
 Command = tuple[str | bytes | int | float, ...]
 #: What aiosem runs on: a client of one server (or of Sentinel's master), or of a cluster.
@@ -117,6 +119,21 @@ class PinnedConnection:
             # hiredis's stub types the argument as a tuple of one element.
             return [b"".join([_hiredis_pack(command) for command in commands])]  # type: ignore[arg-type]
         return self._connection.pack_commands(commands)
+
+    async def retried(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt()``, trying it again on a new connection as the client's own commands are.
+
+        The connection's ``retry`` policy -- the client's -- decides which
+        errors are tried again, how often and after what pause; the failed
+        connection is closed first, and the next write opens a new one.
+        """
+        connection = self._connection
+
+        async def close(_error: Exception) -> None:
+            await connection.disconnect()
+
+        result: T = await connection.retry.call_with_retry(attempt, close)
+        return result
 
     async def batch(self, *commands: Command) -> list[Any]:
         """Send ``commands`` in one write and return their raw replies in order.

@@ -75,15 +75,23 @@ class Lane(Generic[R]):
     call, whose result each reads its part of. A caller cancelled before its
     batch starts is left out of it.
 
+    While the lane is crowded -- its last batch carried several calls --
+    a call made while none is in flight does not go at once either: it
+    starts a batch in a task of its own, which the calls made in the same
+    turn of the event loop join. Many tasks woken together by one reply
+    would otherwise send the first of them alone and the rest after it:
+    twice the round trips.
+
     ``run`` takes the identifiers of a batch and returns a result whose
     ``values`` hold one value per identifier.
     """
 
-    __slots__ = ("_busy", "_flusher", "_pending", "_run")
+    __slots__ = ("_busy", "_crowded", "_flusher", "_pending", "_run")
 
     def __init__(self, run: Callable[[Sequence[str]], Awaitable[R]]) -> None:
         self._run = run
         self._busy = False
+        self._crowded = False
         self._pending: list[tuple[Submission, asyncio.Future[tuple[Sequence[int], R]]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -94,9 +102,12 @@ class Lane(Generic[R]):
             If ``submission.sent`` is set, the step may still take effect and
             the caller must undo what it may have done.
         """
-        if self._busy:
+        if self._busy or self._crowded:
             future: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
             self._pending.append((submission, future))
+            if not self._busy:
+                self._busy = True
+                self._flusher = asyncio.get_running_loop().create_task(self._flush())
             return await future
         self._busy = True
         submission.sent = True
@@ -114,6 +125,7 @@ class Lane(Generic[R]):
             while self._pending:
                 batch = [(submission, future) for submission, future in self._pending if not future.done()]
                 self._pending = []
+                self._crowded = len(batch) > 1
                 if not batch:
                     continue
                 for submission, _ in batch:

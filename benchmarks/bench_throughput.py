@@ -11,7 +11,10 @@ reports completed cycles per second and the p50/p99 time ``acquire`` took:
   contention (64 coroutines) and uncontended (1 coroutine).
 
 The baseline is measured in the same run because on a small machine it moves
-20-40 % from one run to the next. The script also counts, with ``INFO
+20-40 % from one run to the next. When uvloop is installed, every scenario
+runs again on a uvloop event loop, against the same server, and the report
+says what that changes: each scenario's ratio to its own run on asyncio's
+loop, and to the raw loop on uvloop. The script also counts, with ``INFO
 commandstats``, how many EVALSHA calls one uncontended `AsyncFairSemaphore`
 cycle makes, and prints ``redis-benchmark``'s PING rate when that tool is
 installed, as the server's own ceiling.
@@ -147,8 +150,12 @@ class ScenarioResult:
     cycles_per_second: float
     acquire_p50_ms: float
     acquire_p99_ms: float
-    #: cycles/s over the raw loop's with as many coroutines, in this run.
+    #: cycles/s over the raw loop's with as many coroutines, in this run, on the same event loop.
     ratio_to_raw: float | None = None
+    #: The event loop: asyncio's own, or uvloop's.
+    loop: str = "asyncio"
+    #: On uvloop: cycles/s over the same scenario's on asyncio's loop, in this run.
+    ratio_to_asyncio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,11 +296,12 @@ async def count_fair_round_trips(port: int, cycles: int = COUNTED_CYCLES) -> Com
     return CommandCount(cycles, calls("evalsha") / cycles, calls("eval") / cycles)
 
 
-async def run_all(port: int, duration: float, warmup: float) -> tuple[list[ScenarioResult], CommandCount]:
+async def run_all(port: int, duration: float, warmup: float, loop: str) -> tuple[list[ScenarioResult], CommandCount]:
     results: list[ScenarioResult] = []
     for kind, coroutines in SCENARIOS:
-        print(f"  {LABELS[kind]}, {coroutines} coroutine(s) ...", file=sys.stderr, flush=True)
-        results.append(await run_scenario(port, kind, coroutines, duration, warmup))
+        print(f"  {LABELS[kind]}, {coroutines} coroutine(s), on {loop} ...", file=sys.stderr, flush=True)
+        result = await run_scenario(port, kind, coroutines, duration, warmup)
+        results.append(replace(result, loop=loop))
     raw_rates = {result.coroutines: result.cycles_per_second for result in results if result.kind == "raw"}
     results = [
         replace(result, ratio_to_raw=round(result.cycles_per_second / raw_rates[result.coroutines], 3))
@@ -304,17 +312,33 @@ async def run_all(port: int, duration: float, warmup: float) -> tuple[list[Scena
     return results, await count_fair_round_trips(port)
 
 
+def on_uvloop(port: int, duration: float, warmup: float, on_asyncio: Sequence[ScenarioResult]) -> list[ScenarioResult]:
+    """Every scenario again on a uvloop event loop, each with its ratio to its run on asyncio's; [] without uvloop."""
+    try:
+        import uvloop  # noqa: PLC0415 -- optional: measured only where installed
+    except ImportError:
+        print("uvloop is not installed: its runs are skipped", file=sys.stderr)
+        return []
+    results, _ = uvloop.run(run_all(port, duration, warmup, "uvloop"))
+    return [
+        replace(result, ratio_to_asyncio=round(result.cycles_per_second / before.cycles_per_second, 3))
+        for result, before in zip(results, on_asyncio, strict=True)
+    ]
+
+
 # --- the report ------------------------------------------------------------
 
 
 def results_table(results: Sequence[ScenarioResult]) -> str:
-    header = ("scenario", "coroutines", "cycles/s", "vs raw", "acquire p50 ms", "acquire p99 ms")
+    header = ("scenario", "loop", "coroutines", "cycles/s", "vs raw", "vs asyncio", "acquire p50 ms", "acquire p99 ms")
     rows = [
         (
             result.scenario,
+            result.loop,
             str(result.coroutines),
             f"{result.cycles_per_second:,.0f}",
             "n/a" if result.ratio_to_raw is None else f"{result.ratio_to_raw:.2f}",
+            "" if result.ratio_to_asyncio is None else f"{result.ratio_to_asyncio:.2f}",
             f"{result.acquire_p50_ms:.3f}",
             f"{result.acquire_p99_ms:.3f}",
         )
@@ -402,10 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"redis-server {server.version} on {server.host}:{server.port}", file=sys.stderr)
         # First, while the server is idle: the PING rate is the server's ceiling, not ours.
         ping = redis_benchmark_ping(server.port)
-        results, commands = asyncio.run(run_all(server.port, args.duration, args.warmup))
+        results, commands = asyncio.run(run_all(server.port, args.duration, args.warmup, "asyncio"))
+        uvloop_results = on_uvloop(server.port, args.duration, args.warmup, results)
 
     print()
-    print(results_table(results))
+    print(results_table([*results, *uvloop_results]))
     print()
     if ping is None:
         print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
@@ -425,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "redis_benchmark_ping": ping,
             "fair_commands_per_cycle": asdict(commands),
             "scenarios": [asdict(result) for result in results],
+            "uvloop": {
+                "version": package_version("uvloop"),
+                "scenarios": [asdict(result) for result in uvloop_results],
+            },
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

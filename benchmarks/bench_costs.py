@@ -1,0 +1,253 @@
+"""Where a cycle's time goes: CPU per round trip and per cycle, in the client and in Redis.
+
+Two measurements, on one private ``redis-server``:
+
+* **per round trip** (1 coroutine, the best of 3 runs of 3,000 calls): the
+  wall time and the client process's CPU time of one ``EVALSHA`` of a
+  one-line script sent through ``Redis.evalsha`` -- redis-py's whole command
+  path -- and of the same command written to a borrowed connection, as
+  aiosem writes its scripts; then of one `AsyncFairSemaphore.refresh`,
+  a whole step with one identifier.
+* **per cycle** (the throughput scenarios: 64 coroutines at limits 16 and 1,
+  1 coroutine, and the raw loop): cycles/s, the client's CPU per cycle and
+  the server's (from ``/proc/<pid>/stat``), and scripts per cycle with the
+  server's time per script (``INFO commandstats``). Whichever side is near
+  100 % of a core is what bounds the scenario.
+
+With ``--profile``, the contended limit-16 scenario runs once more under
+pyinstrument, and its heaviest frames are printed.
+
+Run it::
+
+    python benchmarks/bench_costs.py
+    python benchmarks/bench_costs.py --json benchmarks/results/costs.json --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from bench_throughput import RAW_REMOVE, RawLoop, environment, markdown_table, new_client, run_phase
+
+from aiosem import AsyncFairSemaphore
+from aiosem._connection import pinned_connection
+from tests.support import RedisServer, find_redis_server
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+CALLS: Final = 3000
+RUNS: Final = 3
+#: (label, limit, coroutines): the throughput benchmark's scenarios; limit 0 is the raw loop.
+CYCLES: Final = (
+    ("raw EVALSHA loop", 0, 64),
+    ("AsyncFairSemaphore, limit 16", 16, 64),
+    ("AsyncFairSemaphore, limit 1", 1, 64),
+    ("AsyncFairSemaphore, limit 16", 16, 1),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    call: str
+    wall_us: float
+    cpu_us: float
+
+
+@dataclass(frozen=True, slots=True)
+class CycleCost:
+    scenario: str
+    coroutines: int
+    cycles_per_second: float
+    client_cpu_us: float
+    client_busy: float
+    server_cpu_us: float
+    server_busy: float
+    scripts_per_cycle: float
+    server_us_per_script: float
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def call_cost(label: str, call: Callable[[], Awaitable[object]]) -> CallCost:
+    for _ in range(CALLS // 10):
+        await call()
+    runs = []
+    for _ in range(RUNS):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(CALLS):
+            await call()
+        runs.append(((time.perf_counter() - wall) / CALLS, (time.process_time() - cpu) / CALLS))
+    wall_s, cpu_s = min(runs)
+    return CallCost(label, round(wall_s * 1e6, 1), round(cpu_s * 1e6, 1))
+
+
+async def call_costs(port: int) -> list[CallCost]:
+    client = new_client(port)
+    try:
+        sha = str(await client.script_load(RAW_REMOVE))
+        key = "bench:{costs}"
+
+        async def evalsha() -> object:
+            return await client.evalsha(sha, 1, key, "member")
+
+        async def written() -> object:
+            async with pinned_connection(client, key) as connection:
+                return await connection.batch(("EVALSHA", sha, 1, key, "member"))
+
+        semaphore = AsyncFairSemaphore(client, "costs", 1)
+        permit = await semaphore.acquire()
+        assert permit is not None  # noqa: S101 -- a fresh server: nobody else holds it
+
+        async def refresh() -> object:
+            return await semaphore.refresh(permit)
+
+        return [
+            await call_cost("EVALSHA through Redis.evalsha", evalsha),
+            await call_cost("EVALSHA written to a borrowed connection", written),
+            await call_cost("AsyncFairSemaphore.refresh (one step)", refresh),
+        ]
+    finally:
+        await client.aclose()
+
+
+async def cycle_cost(port: int, pid: int, scenario: tuple[str, int, int], seconds: float) -> CycleCost:
+    label, limit, coroutines = scenario
+    client = new_client(port)
+    try:
+        cycler: Any = (
+            await RawLoop.load(client, "bench:{cycles}") if limit == 0 else AsyncFairSemaphore(client, label, limit)
+        )
+        await run_phase(cycler, coroutines, 0.5)
+        before = await client.info("commandstats")
+        server, cpu = process_cpu(pid), time.process_time()
+        phase = await run_phase(cycler, coroutines, seconds)
+        server, cpu = process_cpu(pid) - server, time.process_time() - cpu
+        after = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    scripts = after["cmdstat_evalsha"]["calls"] - before["cmdstat_evalsha"]["calls"]
+    script_us = after["cmdstat_evalsha"]["usec"] - before["cmdstat_evalsha"]["usec"]
+    return CycleCost(
+        scenario=label,
+        coroutines=coroutines,
+        cycles_per_second=round(phase.cycles / phase.seconds, 1),
+        client_cpu_us=round(cpu / phase.cycles * 1e6, 1),
+        client_busy=round(cpu / phase.seconds, 3),
+        server_cpu_us=round(server / phase.cycles * 1e6, 1),
+        server_busy=round(server / phase.seconds, 3),
+        scripts_per_cycle=round(scripts / phase.cycles, 3),
+        server_us_per_script=round(script_us / max(scripts, 1), 1),
+    )
+
+
+async def profile(port: int, seconds: float) -> str:
+    """pyinstrument's heaviest frames while 64 coroutines cycle at limit 16; '' without pyinstrument."""
+    try:
+        from pyinstrument import Profiler  # noqa: PLC0415 -- optional: used only with --profile
+    except ImportError:
+        print("pyinstrument is not installed: no profile", file=sys.stderr)
+        return ""
+    client = new_client(port)
+    try:
+        semaphore = AsyncFairSemaphore(client, "profiled", 16)
+        await run_phase(semaphore, 64, 0.5)
+        profiler = Profiler(interval=0.0005, async_mode="disabled")
+        profiler.start()
+        await run_phase(semaphore, 64, seconds)
+        profiler.stop()
+    finally:
+        await client.aclose()
+    lines = profiler.output_text(unicode=False, flat=True).splitlines()
+    return "\n".join([line for line in lines if line.strip()[:1].isdigit()][:25])
+
+
+async def run_all(port: int, pid: int, seconds: float, profiled: bool) -> tuple[list[CallCost], list[CycleCost], str]:
+    print("  per round trip ...", file=sys.stderr, flush=True)
+    calls = await call_costs(port)
+    cycles = []
+    for scenario in CYCLES:
+        print(f"  {scenario[0]}, {scenario[2]} coroutine(s) ...", file=sys.stderr, flush=True)
+        cycles.append(await cycle_cost(port, pid, scenario, seconds))
+    return calls, cycles, await profile(port, seconds) if profiled else ""
+
+
+def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
+    per_call = markdown_table(
+        ("one call, 1 coroutine", "wall us", "client CPU us"),
+        [(cost.call, f"{cost.wall_us:.1f}", f"{cost.cpu_us:.1f}") for cost in calls],
+    )
+    per_cycle = markdown_table(
+        (
+            "scenario",
+            "coroutines",
+            "cycles/s",
+            "client CPU us/cycle",
+            "server CPU us/cycle",
+            "scripts/cycle",
+            "us/script",
+        ),
+        [
+            (
+                cost.scenario,
+                str(cost.coroutines),
+                f"{cost.cycles_per_second:,.0f}",
+                f"{cost.client_cpu_us:.1f} ({cost.client_busy:.0%})",
+                f"{cost.server_cpu_us:.1f} ({cost.server_busy:.0%})",
+                f"{cost.scripts_per_cycle:.3f}",
+                f"{cost.server_us_per_script:.0f}",
+            )
+            for cost in cycles
+        ],
+    )
+    return f"{per_call}\n\n{per_cycle}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds measured per cycle scenario (default 3)")
+    parser.add_argument("--profile", action="store_true", help="also profile the limit-16 scenario with pyinstrument")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    args = parser.parse_args(argv)
+    binary = find_redis_server()
+    if binary is None:
+        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    with (
+        tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
+        RedisServer(binary, Path(directory)) as server,
+    ):
+        assert server.process is not None  # noqa: S101 -- started by the block
+        calls, cycles, profiled = asyncio.run(run_all(server.port, server.process.pid, args.seconds, args.profile))
+    print()
+    print(tables(calls, cycles))
+    if profiled:
+        print(f"\npyinstrument, 64 coroutines at limit 16, heaviest frames (seconds of {args.seconds:g}):\n{profiled}")
+    if args.json is not None:
+        report = {
+            **environment(server.version),
+            "seconds": args.seconds,
+            "calls": [asdict(cost) for cost in calls],
+            "cycles": [asdict(cost) for cost in cycles],
+            "profile": profiled.splitlines(),
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
