@@ -22,7 +22,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 
-from ._connection import REDIRECTS, reroute
+from ._connection import REDIRECTS, keeping_connections, reroute
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -121,36 +121,41 @@ class Lane(Generic[R]):
         return result.values, result  # type: ignore[attr-defined]
 
     async def _flush(self) -> None:
-        try:
-            while self._pending:
-                batch = [(submission, future) for submission, future in self._pending if not future.done()]
-                self._pending = []
-                self._crowded = len(batch) > 1
-                if not batch:
-                    continue
-                for submission, _ in batch:
-                    submission.sent = True
-                try:
-                    result = await self._run([i for submission, _ in batch for i in submission.identifiers])
-                except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(error)
-                    continue
-                except BaseException:
-                    for _, future in batch:
-                        future.cancel()
-                    raise
-                values = result.values  # type: ignore[attr-defined]
-                offset = 0
-                for submission, future in batch:
-                    count = len(submission.identifiers)
+        async with keeping_connections():
+            try:
+                await self._flush_batches()
+            finally:
+                # Before the kept connections go back: a call made meanwhile starts its own batch.
+                self._busy = False
+                self._flusher = None
+
+    async def _flush_batches(self) -> None:
+        while self._pending:
+            batch = [(submission, future) for submission, future in self._pending if not future.done()]
+            self._pending = []
+            self._crowded = len(batch) > 1
+            if not batch:
+                continue
+            for submission, _ in batch:
+                submission.sent = True
+            try:
+                result = await self._run([i for submission, _ in batch for i in submission.identifiers])
+            except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
+                for _, future in batch:
                     if not future.done():
-                        future.set_result((values[offset : offset + count], result))
-                    offset += count
-        finally:
-            self._busy = False
-            self._flusher = None
+                        future.set_exception(error)
+                continue
+            except BaseException:
+                for _, future in batch:
+                    future.cancel()
+                raise
+            values = result.values  # type: ignore[attr-defined]
+            offset = 0
+            for submission, future in batch:
+                count = len(submission.identifiers)
+                if not future.done():
+                    future.set_result((values[offset : offset + count], result))
+                offset += count
 
 
 class _Kinds(NamedTuple):

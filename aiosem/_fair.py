@@ -28,15 +28,22 @@ def format_now(now: float | None) -> str:
 def parse_reply(raw: Sequence[Any], count: int, replicated: int | None = None) -> Reply:
     """Read the reply every fair step returns (see ``lua/_prelude.lua``)."""
     next_expiry = int(raw[2])
-    handed = raw[3 + count :]
+    relayed = 2 * int(raw[3])
+    handed = raw[4 + count : len(raw) - relayed]
+    run = raw[len(raw) - relayed :]
     return Reply(
         holders=int(raw[0]),
         waiting=int(raw[1]),
         next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
-        values=tuple(int(value) for value in raw[3 : 3 + count]),
-        granted=tuple((text(handed[i]), int(handed[i + 1])) for i in range(0, len(handed), 2)),
+        values=tuple(int(value) for value in raw[4 : 4 + count]),
+        granted=_pairs(handed),
         replicated=replicated,
+        relayed=_pairs(run),
     )
+
+
+def _pairs(flat: Sequence[Any]) -> tuple[tuple[str, int], ...]:
+    return tuple((text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
 
 
 async def fair_step(
@@ -52,6 +59,7 @@ async def fair_step(
     caller: str = "",
     mode: str = "",
     call: str = "",
+    relays: bool = False,
     replicas: int = 0,
     replication_timeout: float = 0.0,
 ) -> Reply:
@@ -59,7 +67,9 @@ async def fair_step(
 
     A release with a ``call`` id leaves a receipt for as long as a step may
     take: the same call, tried again after its reply was lost, answers what
-    the first try released. With ``replicas``, the script is followed by a
+    the first try released. With ``relays``, a mutex handed to one of the
+    ``caller``'s waiters is relayed through the caller's waiters queued
+    right behind it, and the reply names them. With ``replicas``, the script is followed by a
     ``WAIT`` of at most ``replication_timeout`` on its connection, and the
     reply says how many replicas acknowledged it.
     """
@@ -74,6 +84,7 @@ async def fair_step(
         mode,
         call,
         repr(step_bound(lease)),
+        "1" if relays else "",
         *identifiers,
     ]
     script = _SCRIPTS[operation]
@@ -155,6 +166,9 @@ class AsyncFairSemaphore(_Semaphore):
             caller=self._process,
             mode=mode,
             call=call,
+            # A relayed permit's next holder is told before Redis is: with
+            # replicas to wait for, every grant waits for them instead.
+            relays=not self._replicas,
             replicas=self._replicas_for(operation, mode),
             replication_timeout=self._waiter_ttl,
         )

@@ -140,7 +140,9 @@ class Permit:
         identifier: The holder's identifier in Redis, unique per grant.
         fencing_token: The semaphore's counter at the grant: one more than
             the last, or the server's clock in microseconds if that is
-            higher. It strictly increases over the whole life of the
+            higher. (A mutex relayed through a run of one object's
+            waiters gets the run's tokens at the step that formed it, in
+            the order they are used.) It strictly increases over the whole life of the
             semaphore -- even after the counter expired, a day after the
             last grant, or Redis lost its data -- so a resource that
             remembers the highest token it has seen can refuse a write that
@@ -174,6 +176,9 @@ class Reply:
         granted: The waiters this step handed a permit, with their tokens.
         replicated: How many replicas acknowledged the step, if it waited
             for them (``None``: it did not).
+        relayed: The run of the caller's waiters, with their tokens, that
+            the mutex granted to the caller's own waiter is relayed to, in
+            order (see `_Semaphore._relay`).
     """
 
     holders: int
@@ -182,6 +187,7 @@ class Reply:
     values: tuple[int, ...]
     granted: tuple[tuple[str, int], ...] = ()
     replicated: int | None = None
+    relayed: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +232,7 @@ class _Semaphore(ABC):
         "_loop",
         "_name",
         "_on_lost",
+        "_passing",
         "_process",
         "_proven",
         "_pump",
@@ -233,7 +240,11 @@ class _Semaphore(ABC):
         "_recheck_at",
         "_refresh_failures",
         "_refresh_interval",
+        "_relayed",
         "_replicas",
+        "_reserved",
+        "_run_timer",
+        "_runs",
         "_subscribed",
         "_timeout",
         "_waiter_ttl",
@@ -308,6 +319,15 @@ class _Semaphore(ABC):
         self._proven: dict[str, float] = {}
         #: For each waiter resolved, how its lease was confirmed: (sent, lease).
         self._confirmed: dict[str, tuple[float, float]] = {}
+        #: A mutex relayed through runs of this object's waiters (see
+        #: `_relay`): the identifiers holding it, with how their lease was
+        #: last confirmed; the run behind each; the waiters of runs, not
+        #: queued in Redis any more; and those whose relay is on its way there.
+        self._relayed: dict[str, tuple[float, float]] = {}
+        self._runs: dict[str, list[tuple[str, int]]] = {}
+        self._reserved: set[str] = set()
+        self._passing: set[str] = set()
+        self._run_timer: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
@@ -403,6 +423,11 @@ class _Semaphore(ABC):
         self._holds.clear()
         self._proven.clear()
         self._confirmed.clear()
+        self._relayed.clear()
+        self._runs.clear()
+        self._reserved.clear()
+        self._passing.clear()
+        self._run_timer = None
 
     async def _submit(
         self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission
@@ -424,7 +449,7 @@ class _Semaphore(ABC):
         # carried out: tried again -- by redis-py or here -- under the same
         # id, it reads the first try's receipts, and a permit it released is
         # not mistaken for one lost.
-        call = secrets.token_hex(8) if operation == "release" and mode == "release" else ""
+        call = secrets.token_hex(8) if operation == "release" and mode in ("release", "pass") else ""
         while True:
             sent = loop.time()
             if (reply := await self._bounded_execute(operation, mode, identifiers, call)) is not None:
@@ -484,6 +509,7 @@ class _Semaphore(ABC):
     def _observe(self, reply: Reply, sent: float) -> None:
         """Learn what a reply to a step sent at ``sent`` says about this object's waiters."""
         self._last = reply
+        resolved = []
         for identifier, token in reply.granted:
             # Granted by this object's own call: a full lease, nothing to
             # claim -- unless replicas must have the grant and this step did
@@ -496,6 +522,21 @@ class _Semaphore(ABC):
                     continue
                 self._confirmed[identifier] = (sent, self._timeout)
                 waiter.set_result(token)
+                resolved.append(identifier)
+        if reply.relayed:
+            if len(resolved) == 1:
+                (head,) = resolved
+                self._relayed[head] = (sent, self._timeout)
+                self._runs[head] = list(reply.relayed)
+                for identifier, _ in reply.relayed:
+                    self._reserved.add(identifier)
+                    self._queued.discard(identifier)
+                    self._proven.pop(identifier, None)
+                self._watch_runs()
+            else:
+                # Granted to an acquire given up meanwhile, whose cancel
+                # gives the permit to the queue: the run cannot have it.
+                self._strand(reply.relayed)
         if self._queued:
             self._recheck_when(reply)
 
@@ -591,6 +632,8 @@ class _Semaphore(ABC):
         """Act on what a re-check sent at ``sent`` answered for each identifier."""
         dropped = []
         for identifier, value in zip(identifiers, values, strict=True):
+            if identifier in self._reserved:
+                continue  # left the queue for a run since the re-check was sent
             waiter = self._waiters.get(identifier)
             pending = waiter is not None and not waiter.done()
             hold = self._holds.get(identifier)
@@ -796,8 +839,9 @@ class _Semaphore(ABC):
             (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
             confirmed = (sent, self._timeout)
             if value == 0 and waiter is not None:
-                self._proven[identifier] = sent
-                self._queued.add(identifier)
+                if identifier not in self._reserved:  # a run may have taken it from the queue already
+                    self._proven[identifier] = sent
+                    self._queued.add(identifier)
                 self._start_pump(wake=False)  # its next heartbeat proves this waiter alive too
                 self._recheck_when(reply)
                 value = await _granted_within(waiter, wait)
@@ -832,12 +876,25 @@ class _Semaphore(ABC):
         return None
 
     async def _give_up(self, *identifiers: str) -> None:
-        """Leave the queue, give back any permit, and refuse a grant still on its way."""
+        """Leave the queue, give back any permit, and refuse a grant still on its way.
+
+        A waiter of a run is not queued in Redis: it just leaves the run. A
+        permit relayed to it is relayed on.
+        """
         self._claims.difference_update(identifiers)
         self._claiming.difference_update(identifiers)
+        reserved = self._reserved.intersection(identifiers)
+        self._reserved -= reserved
+        relayed = [identifier for identifier in identifiers if identifier in self._relayed]
+        others = [
+            identifier for identifier in identifiers if identifier not in self._relayed and identifier not in reserved
+        ]
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
             try:
-                await self._submit("release", "cancel", identifiers)
+                for identifier in relayed:
+                    await self._relay(identifier)
+                if others:
+                    await self._submit("release", "cancel", others)
             except Exception:
                 logger.warning(
                     "could not give back what an interrupted acquire of %r took",
@@ -845,6 +902,98 @@ class _Semaphore(ABC):
                     exc_info=True,
                     extra=log_fields(self._name),
                 )
+
+    async def _relay(self, identifier: str) -> bool:
+        """Give up a relayed mutex: to the next waiter of its run at once, else to the queue; ``True`` if it was held.
+
+        The next waiter returns before Redis hears of it: Redis moves the
+        permit in a 'pass' release, sent at once and in order with every
+        other pass of this object, and the waiter gets its token from the
+        run and the rest of the holder's lease, restarted when the pass
+        lands. It is told if the pass finds the permit gone. A holder whose
+        lease may have run out passes nothing: Redis may have reaped the
+        permit and handed it to the queue, and the run queues again, last.
+        """
+        loop = asyncio.get_running_loop()
+        lease_from, lease = self._relayed.pop(identifier)
+        run = self._runs.pop(identifier, [])
+        successor, token = "", 0
+        while run and loop.time() < lease_from + lease:
+            candidate, candidate_token = run.pop(0)
+            self._reserved.discard(candidate)
+            waiter = self._waiters.get(candidate)
+            if waiter is not None and not waiter.done():
+                successor, token = candidate, candidate_token
+                if run:
+                    self._runs[successor] = run
+                self._relayed[successor] = self._confirmed[successor] = (lease_from, lease)
+                self._passing.add(successor)
+                waiter.set_result(token)
+                self._watch_runs()
+                break
+        if not successor:
+            self._strand(run)
+        sent = loop.time()
+        try:
+            values, _ = await self._submit("release", "pass", (identifier, successor, str(token) if token else ""))
+        finally:
+            self._passing.discard(successor)
+        if successor:
+            if values[1] > 0:
+                self._confirm_relayed(successor, sent)
+            else:
+                self._relay_lost(successor)
+        return values[0] == 1
+
+    def _confirm_relayed(self, identifier: str, sent: float) -> None:
+        """A pass sent at ``sent`` gave ``identifier`` the permit in Redis: its lease runs from then."""
+        if identifier in self._relayed:
+            self._relayed[identifier] = (sent, self._timeout)
+        if identifier in self._confirmed:
+            self._confirmed[identifier] = (sent, self._timeout)
+        hold = self._holds.get(identifier)
+        if hold is not None:
+            hold.confirm(sent, self._timeout)
+
+    def _relay_lost(self, identifier: str) -> None:
+        """A pass found the permit relayed to ``identifier`` gone: it holds nothing, and its run queues again."""
+        if self._relayed.pop(identifier, None) is None:
+            return  # relayed on already: that pass found it gone too
+        self._strand(self._runs.pop(identifier, []))
+        hold = self._holds.get(identifier)
+        if hold is not None:
+            self._drop_hold(hold)
+            hold.lose("the permit relayed to it was gone: its previous holder's lease had run out")
+
+    def _watch_runs(self) -> None:
+        """Look at the runs again when the earliest of their holders' leases may have run out."""
+        if self._run_timer is None and self._runs:
+            ends = [self._relayed.get(holder, (-math.inf, 0.0)) for holder in self._runs]
+            at = min(lease_from + lease for lease_from, lease in ends) + _RECHECK_DELAY
+            self._run_timer = asyncio.get_running_loop().call_at(at, self._check_runs)
+
+    def _check_runs(self) -> None:
+        """Queue again the runs whose holder's lease may have run out: Redis may have reaped it, and will not tell."""
+        self._run_timer = None
+        now = asyncio.get_running_loop().time()
+        for holder in list(self._runs):
+            lease_from, lease = self._relayed.get(holder, (-math.inf, 0.0))
+            if lease_from + lease <= now:
+                self._strand(self._runs.pop(holder))
+        self._watch_runs()
+
+    def _strand(self, run: Sequence[tuple[str, int]]) -> None:
+        """Queue again, last, the waiters of a run the permit cannot reach: the pump finds them gone from the queue."""
+        stranded = []
+        for identifier, _ in run:
+            self._reserved.discard(identifier)
+            waiter = self._waiters.get(identifier)
+            if waiter is not None and not waiter.done():
+                stranded.append(identifier)
+        if stranded:
+            self._queued.update(stranded)
+            self._recheck_at = asyncio.get_running_loop().time()
+            self._start_pump()
 
     async def release(self, permit: Permit) -> bool:
         """Give a permit back; the longest waiter, if any, gets it in the same step.
@@ -872,7 +1021,10 @@ class _Semaphore(ABC):
         hold = self._holds.get(permit.identifier)
         if hold is not None:
             self._drop_hold(hold)
-        (released,), _ = await self._submit("release", "release", (permit.identifier,))
+        if permit.identifier in self._relayed:
+            released = int(await self._relay(permit.identifier))
+        else:
+            (released,), _ = await self._submit("release", "release", (permit.identifier,))
         if released == 1:
             emit_permit("released", permit)
         elif hold is not None:
@@ -898,14 +1050,14 @@ class _Semaphore(ABC):
         permit = self._check_permit(permit)
         sent = asyncio.get_running_loop().time()
         (token,), _ = await self._submit("refresh", "", (permit.identifier,))
-        hold = self._holds.get(permit.identifier)
-        if hold is not None:
-            if token > 0:
-                hold.confirm(sent, self._timeout)
-            else:
-                self._drop_hold(hold)
-                hold.lose("a refresh found it gone")
-        return token > 0
+        # A permit relayed to it is held, though Redis has not heard yet.
+        held = token > 0 or permit.identifier in self._passing
+        if token > 0:
+            self._confirm_relayed(permit.identifier, sent)
+        elif not held and (hold := self._holds.get(permit.identifier)) is not None:
+            self._drop_hold(hold)
+            hold.lose("a refresh found it gone")
+        return held
 
     # --- keeping permits alive ----------------------------------------------------
 
@@ -962,8 +1114,8 @@ class _Semaphore(ABC):
                     self._drop_hold(hold)
                     hold.lose(f"Redis did not answer before its lease ({hold.lease:g} s) could have run out")
             elif values[index] > 0:
-                hold.confirm(sent, self._timeout)
-            else:
+                self._confirm_relayed(hold.permit.identifier, sent)
+            elif hold.permit.identifier not in self._passing:  # else relayed to it, and not yet heard in Redis
                 self._drop_hold(hold)
                 hold.lose("a refresh found it gone: its lease ran out, or its keys were deleted")
         if not self._holds:
@@ -1037,8 +1189,25 @@ class _Semaphore(ABC):
                 self._subscribed = False
                 await subscriber_of(self._client).unsubscribe(self._keys.channels + self._process)
             if holds:
-                released, _ = await self._submit("release", "release", [hold.permit.identifier for hold in holds])
-                for hold, value in zip(holds, released, strict=True):
+                # A relayed permit goes by the same lane as the passes that gave it.
+                relayed = [hold for hold in holds if hold.permit.identifier in self._relayed]
+                plain = [hold for hold in holds if hold.permit.identifier not in self._relayed]
+                for hold in relayed:
+                    del self._relayed[hold.permit.identifier]
+                self._runs.clear()
+                self._reserved.clear()
+                if self._run_timer is not None:
+                    self._run_timer.cancel()
+                    self._run_timer = None
+                outcomes: list[tuple[Hold, int]] = []
+                if plain:
+                    values, _ = await self._submit("release", "release", [hold.permit.identifier for hold in plain])
+                    outcomes += zip(plain, values, strict=True)
+                if relayed:
+                    passes = [part for hold in relayed for part in (hold.permit.identifier, "", "")]
+                    values, _ = await self._submit("release", "pass", passes)
+                    outcomes += zip(relayed, values[::3], strict=True)
+                for hold, value in outcomes:
                     emit_permit("released" if value == 1 else "lost", hold.permit)
 
     async def count(self) -> int:
@@ -1058,7 +1227,9 @@ class _Semaphore(ABC):
     async def waiting(self) -> int:
         """Return how many waiters are queued now, in all processes.
 
-        A step like `count`, and raises what it raises.
+        Waiters a mutex is being relayed to within their process (see the
+        design page) have left the queue, and are not counted. A step like
+        `count`, and raises what it raises.
         """
         return (await self._census()).waiting
 

@@ -7,8 +7,9 @@ reports completed cycles per second and the p50/p99 time ``acquire`` took:
 * ``raw``: two EVALSHA round trips per cycle (a one-line ZADD script, then a
   one-line ZREM script) -- the most any Redis-backed semaphore driven from
   redis.asyncio can do, and the baseline every other row is divided by;
-* ``AsyncFairSemaphore`` and ``AsyncLockedSemaphore`` with limit 16, under
-  contention (64 coroutines) and uncontended (1 coroutine).
+* ``AsyncFairSemaphore`` and ``AsyncLockedSemaphore`` with limit 16 and with
+  limit 1 (a mutex) under contention (64 coroutines), and with limit 16
+  uncontended (1 coroutine).
 
 The baseline is measured in the same run because on a small machine it moves
 20-40 % from one run to the next. When uvloop is installed, every scenario
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 HOST: Final = "127.0.0.1"
-#: Every scenario's semaphore has this many permits.
+#: The semaphores' limit, unless a scenario says otherwise.
 LIMIT: Final = 16
 #: Enough for 64 coroutines that each hold at most one connection at a time;
 #: a bound, so that a leak shows up as waiting rather than as 1000 sockets.
@@ -77,21 +78,28 @@ RAW_REMOVE: Final = "return redis.call('ZREM', KEYS[1], ARGV[1])"
 
 Kind = Literal["raw", "fair", "locked"]
 
-#: (kind, coroutines), in the order they run.
-SCENARIOS: Final[tuple[tuple[Kind, int], ...]] = (
-    ("raw", 64),
-    ("fair", 64),
-    ("locked", 64),
-    ("raw", 1),
-    ("fair", 1),
-    ("locked", 1),
+#: (kind, coroutines, limit), in the order they run; the raw loop has no limit.
+SCENARIOS: Final[tuple[tuple[Kind, int, int | None], ...]] = (
+    ("raw", 64, None),
+    ("fair", 64, LIMIT),
+    ("locked", 64, LIMIT),
+    ("fair", 64, 1),
+    ("locked", 64, 1),
+    ("raw", 1, None),
+    ("fair", 1, LIMIT),
+    ("locked", 1, LIMIT),
 )
 
-LABELS: Final[dict[Kind, str]] = {
+NAMES: Final[dict[Kind, str]] = {
     "raw": "raw EVALSHA loop",
-    "fair": f"AsyncFairSemaphore (limit {LIMIT})",
-    "locked": f"AsyncLockedSemaphore (limit {LIMIT})",
+    "fair": "AsyncFairSemaphore",
+    "locked": "AsyncLockedSemaphore",
 }
+
+
+def label(kind: Kind, limit: int | None) -> str:
+    return NAMES[kind] if limit is None else f"{NAMES[kind]} (limit {limit})"
+
 
 T = TypeVar("T")
 
@@ -232,7 +240,10 @@ def percentile(sorted_values: Sequence[float], fraction: float) -> float:
     return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
 
 
-async def measure(cycler: Cycler[T], kind: Kind, coroutines: int, duration: float, warmup: float) -> ScenarioResult:
+async def measure(
+    cycler: Cycler[T], scenario: tuple[Kind, int, int | None], duration: float, warmup: float
+) -> ScenarioResult:
+    kind, coroutines, limit = scenario
     if warmup > 0:
         # Opens the pool's connections and loads the scripts (a first EVALSHA
         # gets NOSCRIPT), neither of which is what a steady state costs.
@@ -240,10 +251,10 @@ async def measure(cycler: Cycler[T], kind: Kind, coroutines: int, duration: floa
     phase = await run_phase(cycler, coroutines, duration)
     latencies = sorted(phase.latencies)
     return ScenarioResult(
-        scenario=LABELS[kind],
+        scenario=label(kind, limit),
         kind=kind,
         coroutines=coroutines,
-        limit=None if kind == "raw" else LIMIT,
+        limit=limit,
         cycles=phase.cycles,
         seconds=round(phase.seconds, 3),
         cycles_per_second=round(phase.cycles / phase.seconds, 1),
@@ -252,18 +263,19 @@ async def measure(cycler: Cycler[T], kind: Kind, coroutines: int, duration: floa
     )
 
 
-async def run_scenario(port: int, kind: Kind, coroutines: int, duration: float, warmup: float) -> ScenarioResult:
+async def run_scenario(
+    port: int, scenario: tuple[Kind, int, int | None], duration: float, warmup: float
+) -> ScenarioResult:
     # A client and a semaphore name of its own, so no scenario inherits
     # another's connections or leftover permits.
-    name = f"bench-{kind}-{coroutines}"
+    kind, coroutines, limit = scenario
+    name = f"bench-{kind}-{coroutines}-{limit}"
     client = new_client(port)
     try:
-        if kind == "raw":
-            raw = await RawLoop.load(client, f"bench:{{{name}}}")
-            return await measure(raw, kind, coroutines, duration, warmup)
-        if kind == "fair":
-            return await measure(AsyncFairSemaphore(client, name, LIMIT), kind, coroutines, duration, warmup)
-        return await measure(AsyncLockedSemaphore(client, name, LIMIT), kind, coroutines, duration, warmup)
+        if limit is None:
+            return await measure(await RawLoop.load(client, f"bench:{{{name}}}"), scenario, duration, warmup)
+        cls = AsyncFairSemaphore if kind == "fair" else AsyncLockedSemaphore
+        return await measure(cls(client, name, limit), scenario, duration, warmup)
     finally:
         await client.aclose()
 
@@ -298,9 +310,10 @@ async def count_fair_round_trips(port: int, cycles: int = COUNTED_CYCLES) -> Com
 
 async def run_all(port: int, duration: float, warmup: float, loop: str) -> tuple[list[ScenarioResult], CommandCount]:
     results: list[ScenarioResult] = []
-    for kind, coroutines in SCENARIOS:
-        print(f"  {LABELS[kind]}, {coroutines} coroutine(s), on {loop} ...", file=sys.stderr, flush=True)
-        result = await run_scenario(port, kind, coroutines, duration, warmup)
+    for scenario in SCENARIOS:
+        kind, coroutines, limit = scenario
+        print(f"  {label(kind, limit)}, {coroutines} coroutine(s), on {loop} ...", file=sys.stderr, flush=True)
+        result = await run_scenario(port, scenario, duration, warmup)
         results.append(replace(result, loop=loop))
     raw_rates = {result.coroutines: result.cycles_per_second for result in results if result.kind == "raw"}
     results = [

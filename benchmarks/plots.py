@@ -143,17 +143,25 @@ def log_span(values: Sequence[float], room: float) -> tuple[float, float]:
 def throughput(result: Result) -> Figure:
     """Cycles per second of each implementation, contended and not, with each one's ratio to the raw floor."""
     drawn, (ax,) = figure(result, 4.2)
-    groups = sorted({row["coroutines"] for row in result["scenarios"]}, reverse=True)
+    scenarios = result["scenarios"]
+    # One group per (coroutines, limit) of the semaphores, each beside the raw loop with as many coroutines.
+    groups = list(dict.fromkeys((r["coroutines"], r["limit"]) for r in scenarios if r["kind"] != "raw"))
     kinds = ("raw", "fair", "locked")
     bar = 0.26
     for offset, kind in enumerate(kinds):
-        rows = [next(r for r in result["scenarios"] if r["kind"] == kind and r["coroutines"] == n) for n in groups]
+        rows = [
+            next(
+                r
+                for r in scenarios
+                if r["kind"] == kind and r["coroutines"] == n and (kind == "raw" or r["limit"] == limit)
+            )
+            for n, limit in groups
+        ]
         positions = [group + (offset - 1) * bar for group in range(len(groups))]
         bars = ax.bar(positions, [r["cycles_per_second"] for r in rows], bar, color=COLOURS[kind], label=LABELS[kind])
         labels = [f"{r['cycles_per_second']:,.0f}\n{r['ratio_to_raw']:.2f} {TIMES}" for r in rows]
         ax.bar_label(bars, labels, fontsize=8)
-    limit = result["limit"]
-    ax.set_xticks(range(len(groups)), [f"{n} coroutine{'s' * (n > 1)}, limit {limit}" for n in groups])
+    ax.set_xticks(range(len(groups)), [f"{n} coroutine{'s' * (n > 1)}, limit {limit}" for n, limit in groups])
     ax.set_ylabel("acquire + release cycles per second")
     ax.yaxis.set_major_formatter(FuncFormatter(thousands))
     ax.margins(y=0.2)

@@ -33,12 +33,17 @@ local RECEIPT = KEYS[9]    -- what this call released, if it is a release with
 --         lost carries the same id, and reads the receipt of the first try
 -- ARGV[10] how long a call's receipt is kept, in seconds: as long as the
 --         caller may still try the call again
--- ARGV[11..] identifiers
+-- ARGV[11] '1' if the caller relays a mutex through a run of its own waiters
+--         (see aiosem_relay_run), else ''
+-- ARGV[12..] identifiers
 --
--- and every script returns {holders, waiting, next_expiry_us, result_1, ...,
--- result_n, granted_id_1, token_1, ...}: next_expiry_us is how long until the
--- earliest lease runs out (-1: nobody holds), the results are one per
--- identifier, and the granted pairs are the waiters this call handed a permit.
+-- and every script returns {holders, waiting, next_expiry_us, relayed,
+-- result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1, token_1,
+-- ...}: next_expiry_us is how long until the earliest lease runs out (-1:
+-- nobody holds), the results are one per identifier, the granted pairs are
+-- the waiters this call handed a permit, and the last `relayed` pairs are
+-- the run of the caller's waiters that permit is relayed to (see
+-- aiosem_relay_run).
 
 -- How long a cancelled identifier is refused: far longer than a script can
 -- spend in flight.
@@ -73,6 +78,15 @@ local function aiosem_next_token(now)
   local token = math.max(last + 1, math.floor(now * 1000000))
   redis.call('SET', COUNTER, string.format('%d', token), 'PX', COUNTER_TTL_MS)
   return token
+end
+
+-- The next `n` fencing tokens, as aiosem_next_token hands them out one by
+-- one; returns the first.
+local function aiosem_next_tokens(now, n)
+  local last = tonumber(redis.call('GET', COUNTER) or 0)
+  local first = math.max(last + 1, math.floor(now * 1000000))
+  redis.call('SET', COUNTER, string.format('%d', first + n - 1), 'PX', COUNTER_TTL_MS)
+  return first
 end
 
 -- ZREM takes its members as arguments; unpack() is bounded by the Lua stack.
@@ -154,13 +168,48 @@ local function aiosem_owner(identifier)
   return string.match(identifier, '^(%x+)%.')
 end
 
+-- The most waiters one run relays a mutex to.
+local RUN_LENGTH = 64
+
+-- A mutex just handed to one of the caller's own waiters is relayed, too, to
+-- the caller's waiters queued right behind it: they leave the queue with
+-- their fencing tokens, one after another, and the caller passes the permit
+-- from each to the next without waiting for Redis (a 'pass' release tells
+-- Redis afterwards). With one permit nobody else can be served before the
+-- run ends, so arrival order holds; another process's waiter ends the run.
+-- Appends identifier and token of each to `relayed`.
+local function aiosem_relay_run(head, state, relayed)
+  if not state.relays or state.limit ~= 1 or aiosem_owner(head) ~= state.caller then
+    return
+  end
+  local behind = redis.call('ZRANGE', QUEUE, 0, RUN_LENGTH - 1)
+  local run = {}
+  for _, identifier in ipairs(behind) do
+    if aiosem_owner(identifier) ~= state.caller then
+      break
+    end
+    run[#run + 1] = identifier
+  end
+  if #run == 0 then
+    return
+  end
+  local first = aiosem_next_tokens(state.now, #run)
+  aiosem_zrem_all(QUEUE, run)
+  aiosem_zrem_all(WAITERS, run)
+  state.queued = state.queued - #run
+  for i, identifier in ipairs(run) do
+    relayed[#relayed + 1] = identifier
+    relayed[#relayed + 1] = first + i - 1
+  end
+end
+
 -- Grant up to `free` permits to the longest-waiting waiters, appending
 -- identifier and token of each to `granted`, and tell each waiter's process
 -- on its channel (the caller learns of its own from the reply). A permit
 -- handed to another process's waiter lasts only a waiter TTL until that
 -- process claims it with a refresh: a waiter that died while queued never
 -- holds the line for a whole lease.
-local function aiosem_hand_off(free, state, granted)
+local function aiosem_hand_off(free, state, granted, relayed)
   if free <= 0 or state.queued == 0 then
     return
   end
@@ -189,6 +238,7 @@ local function aiosem_hand_off(free, state, granted)
   for owner, text in pairs(messages) do
     redis.call(state.publish, state.channels .. owner, text)
   end
+  aiosem_relay_run(heads[1], state, relayed)
 end
 
 -- How much longer than a waiter TTL the queue's keys outlive the last
@@ -227,19 +277,19 @@ local function aiosem_expire_permits(lease)
 end
 
 -- The header every script returns first.
-local function aiosem_header(state)
+local function aiosem_header(state, relayed)
   local first = redis.call('ZRANGE', TIMEOUTS, 0, 0, 'WITHSCORES')
   local next_expiry = -1
   if first[2] then
     next_expiry = math.max(0, math.floor((tonumber(first[2]) + state.lease - state.now) * 1000000))
   end
-  return {state.holders, state.queued, next_expiry}
+  return {state.holders, state.queued, next_expiry, #relayed / 2}
 end
 
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, `freed` (permits given up
+-- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, `freed` (permits given up
 -- by the operation, which matter when the limit is unknown), the counts
 -- `holders` and `queued`, which every write keeps up to date, and
 -- `waiters_written`, which an operation sets when it queues a waiter or
@@ -256,6 +306,7 @@ local function aiosem_run(operation, hand_off_first)
     mode = ARGV[8],
     call = ARGV[9],
     receipt_seconds = tonumber(ARGV[10]),
+    relays = ARGV[11] == '1',
     waiters_written = false,
   }
   -- Checked before anything is written: a script refused half-way would leave
@@ -271,20 +322,20 @@ local function aiosem_run(operation, hand_off_first)
   redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
   state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
   state.queued = aiosem_reap_waiters(state.now)
-  local granted = {}
+  local granted, relayed = {}, {}
   local function hand_off()
     local free = state.freed
     if state.limit then
       free = state.limit - state.holders
     end
-    aiosem_hand_off(free, state, granted)
+    aiosem_hand_off(free, state, granted, relayed)
     state.freed = 0
   end
   if hand_off_first then
     hand_off()
   end
   local identifiers = {}
-  for i = 11, #ARGV do
+  for i = 12, #ARGV do
     identifiers[#identifiers + 1] = ARGV[i]
   end
   local results = operation(identifiers, state)
@@ -300,12 +351,11 @@ local function aiosem_run(operation, hand_off_first)
   else
     aiosem_expire_permits(state.lease)
   end
-  local reply = aiosem_header(state)
-  for _, result in ipairs(results) do
-    reply[#reply + 1] = result
-  end
-  for _, value in ipairs(granted) do
-    reply[#reply + 1] = value
+  local reply = aiosem_header(state, relayed)
+  for _, list in ipairs({results, granted, relayed}) do
+    for _, value in ipairs(list) do
+      reply[#reply + 1] = value
+    end
   end
   return reply
 end

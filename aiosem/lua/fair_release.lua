@@ -11,6 +11,13 @@
 -- leaves the queue, and one the server has not seen yet is refused for a
 -- while, so that its acquire, should it arrive after this call, takes
 -- nothing.
+-- Mode 'pass' (a mutex relayed through a run of the caller's waiters, see
+-- aiosem_relay_run): the identifiers come in threes, holder, successor
+-- ('' for none) and the successor's token, and each three has the results
+-- {released, installed, 0}: released as in 'release', and installed the
+-- token if the successor now holds the permit the holder released (a
+-- successor whose acquire was given up meanwhile does not, and the permit
+-- goes to the queue), else 0. The same three sent again answers the same.
 local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
@@ -32,15 +39,39 @@ local function release(identifier, state)
   return 0
 end
 
+local function pass(successor, token, released, state)
+  if successor == '' then
+    return 0
+  end
+  local held = redis.call('ZSCORE', OWNERS, successor)
+  if held then
+    return tonumber(held) == tonumber(token) and tonumber(token) or 0
+  end
+  if released == 0 or redis.call('ZREM', CANCELLED, successor) == 1 then
+    return 0
+  end
+  redis.call('ZADD', OWNERS, token, successor)
+  redis.call('ZADD', TIMEOUTS, aiosem_seconds(state.now), successor)
+  state.freed = state.freed - 1
+  state.holders = state.holders + 1
+  return tonumber(token)
+end
+
 return aiosem_run(function(identifiers, state)
   local earlier = state.call ~= '' and redis.call('GET', RECEIPT)
   local results, receipt = {}, {}
-  for i, identifier in ipairs(identifiers) do
-    results[i] = release(identifier, state)
+  local step = state.mode == 'pass' and 3 or 1
+  for i = 1, #identifiers, step do
+    results[i] = release(identifiers[i], state)
     if results[i] == 0 and earlier and string.sub(earlier, i, i) == '1' then
       results[i] = 1
     end
     receipt[i] = results[i]
+    if step == 3 then
+      results[i + 1] = pass(identifiers[i + 1], identifiers[i + 2], results[i], state)
+      results[i + 2] = 0
+      receipt[i + 1], receipt[i + 2] = 0, 0
+    end
   end
   local released = table.concat(receipt)
   if state.call ~= '' and string.find(released, '1', 1, true) then
