@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bench_throughput import RAW_REMOVE, RawLoop, environment, markdown_table, new_client, run_phase
+from bench_throughput import RAW_REMOVE, RawLoop, environment, markdown_table, new_client, positive, run_phase
 
 from aiosem import AsyncFairSemaphore
 from aiosem._connection import pinned_connection
@@ -218,7 +218,7 @@ def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds measured per cycle scenario (default 3)")
+    parser.add_argument("--seconds", type=positive, default=3.0, help="seconds measured per cycle scenario (default 3)")
     parser.add_argument("--profile", action="store_true", help="also profile the limit-16 scenario with pyinstrument")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
     args = parser.parse_args(argv)

@@ -54,6 +54,19 @@ async def submit(lane: Lane[Result], *identifiers: str) -> Sequence[int]:
     return values
 
 
+async def crowded_lane(recorder: Recorder) -> Lane[Result]:
+    """A lane whose last batch carried two calls: "1" alone, then "2" and "3", made while "1" was in flight."""
+    recorder.gate = asyncio.Event()
+    lane = Lane(recorder.run)
+    first = asyncio.create_task(submit(lane, "1"))
+    await asyncio.wait_for(recorder.started.wait(), SETTLE)
+    crowd = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3)]
+    await asyncio.sleep(0)
+    recorder.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *crowd), SETTLE)
+    return lane
+
+
 async def test_an_uncontended_call_runs_at_once_in_the_callers_task() -> None:
     recorder = Recorder()
     lane = Lane(recorder.run)
@@ -81,14 +94,7 @@ async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> No
 
 async def test_once_crowded_the_calls_of_one_turn_go_in_one_batch() -> None:
     recorder = Recorder()
-    recorder.gate = asyncio.Event()
-    lane = Lane(recorder.run)
-    first = asyncio.create_task(submit(lane, "1"))
-    await asyncio.wait_for(recorder.started.wait(), SETTLE)
-    crowd = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3)]
-    await asyncio.sleep(0)
-    recorder.gate.set()
-    await asyncio.wait_for(asyncio.gather(first, *crowd), SETTLE)
+    lane = await crowded_lane(recorder)
     # Woken together, as a reply wakes its callers: not the first alone and the rest after it.
     together = [asyncio.create_task(submit(lane, str(n))) for n in (5, 6, 7)]
     assert await asyncio.wait_for(asyncio.gather(*together), SETTLE) == [(5,), (6,), (7,)]
@@ -97,14 +103,7 @@ async def test_once_crowded_the_calls_of_one_turn_go_in_one_batch() -> None:
 
 async def test_a_lone_call_after_a_crowd_makes_the_next_one_run_at_once_again() -> None:
     recorder = Recorder()
-    recorder.gate = asyncio.Event()
-    lane = Lane(recorder.run)
-    first = asyncio.create_task(submit(lane, "1"))
-    await asyncio.wait_for(recorder.started.wait(), SETTLE)
-    crowd = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3)]
-    await asyncio.sleep(0)
-    recorder.gate.set()
-    await asyncio.wait_for(asyncio.gather(first, *crowd), SETTLE)
+    lane = await crowded_lane(recorder)
     caller = asyncio.current_task()
     assert await submit(lane, "4") == (4,)  # alone: the crowd has gone
     assert await submit(lane, "5") == (5,)
@@ -115,14 +114,7 @@ async def test_a_lone_call_after_a_crowd_makes_the_next_one_run_at_once_again() 
 
 async def test_a_call_cancelled_before_its_crowded_batch_starts_is_left_out_and_not_sent() -> None:
     recorder = Recorder()
-    recorder.gate = asyncio.Event()
-    lane = Lane(recorder.run)
-    first = asyncio.create_task(submit(lane, "1"))
-    await asyncio.wait_for(recorder.started.wait(), SETTLE)
-    crowd = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3)]
-    await asyncio.sleep(0)
-    recorder.gate.set()
-    await asyncio.wait_for(asyncio.gather(first, *crowd), SETTLE)
+    lane = await crowded_lane(recorder)
     cancelled = Submission(("8",))
     doomed = asyncio.create_task(lane.submit(cancelled))
     kept = asyncio.create_task(submit(lane, "9"))

@@ -11,7 +11,7 @@ for two processes (each has its own identity in Redis).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -22,6 +22,8 @@ from tests.faults import proxied_client
 from tests.support import until_queued
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     import redis.asyncio
 
     from tests.proxy import TcpProxy
@@ -47,6 +49,29 @@ async def queue_up(
     task = asyncio.create_task(cycle())
     await until_queued(watcher, queued_before + 1)
     return task
+
+
+async def relayed_to_head(
+    sem: AsyncFairSemaphore, *behind: Coroutine[Any, Any, Any], refreshed: bool = False
+) -> tuple[Permit, list[asyncio.Task[Any]]]:
+    """Hold the mutex, queue a head waiter and then ``behind`` in order, and release.
+
+    Returns the head's permit, granted by this object's own release step,
+    which made ``behind`` its run; and the tasks of ``behind``.
+    """
+    holder = await sem.acquire()
+    assert holder is not None
+    head = asyncio.create_task(sem.acquire(auto_refresh=refreshed))
+    await until_queued(sem, 1)
+    tasks = []
+    for queued, waiter in enumerate(behind, start=2):
+        tasks.append(asyncio.create_task(waiter))
+        await until_queued(sem, queued)
+    await sem.release(holder)
+    with anyio.fail_after(BOUND):
+        relayed = await head
+    assert relayed is not None
+    return relayed, tasks
 
 
 async def assert_idle(sem: AsyncFairSemaphore) -> None:
@@ -86,16 +111,7 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         warm = await sem.acquire()  # loads the scripts: no NOSCRIPT reply is held below
         assert warm is not None
         await sem.release(warm)
-        holder = await sem.acquire()
-        assert holder is not None
-        head = asyncio.create_task(sem.acquire())
-        await until_queued(sem, 1)
-        behind = asyncio.create_task(sem.acquire())
-        await until_queued(sem, 2)
-        await sem.release(holder)
-        with anyio.fail_after(BOUND):
-            relayed = await head
-        assert relayed is not None
+        relayed, (behind,) = await relayed_to_head(sem, sem.acquire())
         assert sem._runs  # the step that granted it took the waiter behind out of the queue
 
         proxy.hold_replies(after=FAIR_RELEASE.sha.encode())
@@ -120,18 +136,7 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
 
 async def test_a_waiter_of_a_run_that_gives_up_is_passed_over(real_client: redis.asyncio.Redis) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-give-up", 1)
-    holder = await sem.acquire()
-    assert holder is not None
-    head = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 1)
-    quitter = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 2)
-    last = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 3)
-    await sem.release(holder)
-    with anyio.fail_after(BOUND):
-        relayed = await head
-    assert relayed is not None
+    relayed, (quitter, last) = await relayed_to_head(sem, sem.acquire(), sem.acquire())
     quitter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await quitter
@@ -149,18 +154,7 @@ async def test_a_waiter_cancelled_once_the_permit_was_relayed_to_it_relays_it_on
     real_client: redis.asyncio.Redis,
 ) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-cancelled-holder", 1)
-    holder = await sem.acquire()
-    assert holder is not None
-    head = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 1)
-    doomed = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 2)
-    last = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 3)
-    await sem.release(holder)
-    with anyio.fail_after(BOUND):
-        relayed = await head
-    assert relayed is not None
+    relayed, (doomed, last) = await relayed_to_head(sem, sem.acquire(), sem.acquire())
     releasing = asyncio.create_task(sem.release(relayed))
     await asyncio.sleep(0)  # the release relays the permit to `doomed` before its first await
     assert not doomed.done()
@@ -177,16 +171,7 @@ async def test_a_waiter_cancelled_once_the_permit_was_relayed_to_it_relays_it_on
 
 async def test_a_run_whose_holder_lets_its_lease_run_out_queues_again(real_client: redis.asyncio.Redis) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-lapsed", 1, timeout=1.0)
-    holder = await sem.acquire()
-    assert holder is not None
-    head = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 1)
-    behind = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 2)
-    await sem.release(holder)
-    with anyio.fail_after(BOUND):
-        forgotten = await head  # held, never refreshed, never released
-    assert forgotten is not None
+    forgotten, (behind,) = await relayed_to_head(sem, sem.acquire())  # held, never refreshed, never released
     with anyio.fail_after(BOUND):
         permit = await behind
     assert permit is not None
@@ -199,10 +184,6 @@ async def test_a_run_whose_holder_lets_its_lease_run_out_queues_again(real_clien
 
 async def test_a_relay_that_finds_the_permit_gone_tells_its_new_holder(real_client: redis.asyncio.Redis) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-gone", 1)
-    holder = await sem.acquire()
-    assert holder is not None
-    head = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 1)
     entered = asyncio.Event()
     outcome: list[BaseException] = []
 
@@ -214,12 +195,7 @@ async def test_a_relay_that_finds_the_permit_gone_tells_its_new_holder(real_clie
         except PermitLost as error:
             outcome.append(error)
 
-    body = asyncio.create_task(hold_it())
-    await until_queued(sem, 2)
-    await sem.release(holder)
-    with anyio.fail_after(BOUND):
-        relayed = await head
-    assert relayed is not None
+    relayed, (body,) = await relayed_to_head(sem, hold_it())
     await real_client.zrem(f"{sem.key}:owner", relayed.identifier)  # lost in Redis, say by eviction
     assert not await sem.release(relayed)
     with anyio.fail_after(BOUND):
@@ -252,16 +228,7 @@ async def test_closing_gives_back_a_relayed_permit_and_fails_the_waiters_of_its_
     real_client: redis.asyncio.Redis,
 ) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-close", 1)
-    holder = await sem.acquire()
-    assert holder is not None
-    head = asyncio.create_task(sem.acquire(auto_refresh=True))
-    await until_queued(sem, 1)
-    behind = asyncio.create_task(sem.acquire())
-    await until_queued(sem, 2)
-    await sem.release(holder)
-    with anyio.fail_after(BOUND):
-        relayed = await head
-    assert relayed is not None
+    _, (behind,) = await relayed_to_head(sem, sem.acquire(), refreshed=True)  # kept alive: closing releases it
     await sem.aclose()
     with pytest.raises(SemaphoreError, match="closed"):
         await behind
