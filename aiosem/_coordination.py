@@ -57,13 +57,15 @@ _LONGEST_RECONNECT_PAUSE: Final = 1.0
 class Submission:
     """The identifiers of one call to a `Lane`, and whether they were sent."""
 
-    __slots__ = ("identifiers", "sent")
+    __slots__ = ("identifiers", "sent", "waiting_since")
 
     def __init__(self, identifiers: Sequence[str]) -> None:
         self.identifiers = identifiers
         #: Set once a call carrying these identifiers has started: from then
         #: on Redis may act on them, even if the caller is cancelled.
         self.sent = False
+        #: When the call began to wait for a batch (loop time), if it had to.
+        self.waiting_since: float | None = None
 
 
 class Lane(Generic[R]):
@@ -82,13 +84,15 @@ class Lane(Generic[R]):
     would otherwise send the first of them alone and the rest after it:
     twice the round trips.
 
-    ``run`` takes the identifiers of a batch and returns a result whose
-    ``values`` hold one value per identifier.
+    ``run`` takes the identifiers of a batch, and when the longest-waiting
+    call of the batch began to wait (``None``: nobody waited), and returns
+    a result whose ``values`` hold one value per identifier. A call's bound
+    counts from its call, waiting included.
     """
 
     __slots__ = ("_busy", "_crowded", "_flusher", "_pending", "_run")
 
-    def __init__(self, run: Callable[[Sequence[str]], Awaitable[R]]) -> None:
+    def __init__(self, run: Callable[[Sequence[str], float | None], Awaitable[R]]) -> None:
         self._run = run
         self._busy = False
         self._crowded = False
@@ -104,6 +108,7 @@ class Lane(Generic[R]):
         """
         if self._busy or self._crowded:
             future: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
+            submission.waiting_since = asyncio.get_running_loop().time()
             self._pending.append((submission, future))
             if not self._busy:
                 self._busy = True
@@ -112,7 +117,7 @@ class Lane(Generic[R]):
         self._busy = True
         submission.sent = True
         try:
-            result = await self._run(submission.identifiers)
+            result = await self._run(submission.identifiers, None)
         finally:
             if self._pending:
                 self._flusher = asyncio.get_running_loop().create_task(self._flush())
@@ -136,10 +141,13 @@ class Lane(Generic[R]):
             self._crowded = len(batch) > 1
             if not batch:
                 continue
+            waiting_since = None
             for submission, _ in batch:
                 submission.sent = True
+                if submission.waiting_since is not None:
+                    waiting_since = min(waiting_since or submission.waiting_since, submission.waiting_since)
             try:
-                result = await self._run([i for submission, _ in batch for i in submission.identifiers])
+                result = await self._run([i for submission, _ in batch for i in submission.identifiers], waiting_since)
             except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
                 for _, future in batch:
                     if not future.done():

@@ -125,7 +125,8 @@ class AsyncLockedSemaphore(_Semaphore):
             (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
         self._tickets[identifier.encode()] = ticket
 
-    async def _draw_tickets(self, identifiers: Sequence[str]) -> _Tickets:
+    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
+        # Bounded around the whole submit in `_arrive`, waiting included.
         waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.incrby(self._keys.tickets, len(identifiers))
@@ -254,9 +255,10 @@ class AsyncLockedSemaphore(_Semaphore):
 
     async def _unlock_after(self, owner: str, error: BaseException) -> None:
         """Free the lock of a step that ``error`` interrupted."""
-        if isinstance(error, Exception):
-            # In the background: a step failing because Redis is out of reach
-            # must fail now, not after the unlock gives up too.
+        if isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time():
+            # In the background: a step failing because Redis is out of reach,
+            # or running out of its time, must end now, not after the unlock
+            # gives up too.
             unlocking = asyncio.get_running_loop().create_task(self._unlock(owner))
             _UNLOCKING.add(unlocking)
             unlocking.add_done_callback(_UNLOCKING.discard)

@@ -435,11 +435,14 @@ class _Semaphore(ABC):
         self._bind()
         lane = self._lanes.get((operation, mode))
         if lane is None:
-            lane = self._lanes[operation, mode] = Lane(lambda ids: self._step(operation, mode, ids))
+            lane = self._lanes[operation, mode] = Lane(lambda ids, since: self._step(operation, mode, ids, since))
         submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
         return await lane.submit(submission)
 
-    async def _step(self, operation: Operation, mode: str, identifiers: Sequence[str]) -> Reply:
+    async def _step(
+        self, operation: Operation, mode: str, identifiers: Sequence[str], waiting_since: float | None = None
+    ) -> Reply:
+        """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""
         deadline: Deadline | None = None
         # A busy lock is held for a round trip or two; a step that backed off
         # as far as a polling waiter would lose it to every poller.
@@ -450,10 +453,12 @@ class _Semaphore(ABC):
         # id, it reads the first try's receipts, and a permit it released is
         # not mistaken for one lost.
         call = secrets.token_hex(8) if operation == "release" and mode in ("release", "pass") else ""
+        spent = 0.0 if waiting_since is None else loop.time() - waiting_since
         while True:
             sent = loop.time()
-            if (reply := await self._bounded_execute(operation, mode, identifiers, call)) is not None:
+            if (reply := await self._bounded_execute(operation, mode, identifiers, call, spent)) is not None:
                 break
+            spent = 0.0
             if operation == "acquire" and mode == "try":
                 reply = Reply(self._last.holders, self._last.waiting, None, (-1,) * len(identifiers))
                 break
@@ -470,7 +475,7 @@ class _Semaphore(ABC):
         return reply
 
     async def _bounded_execute(
-        self, operation: Operation, mode: str, identifiers: Sequence[str], call: str
+        self, operation: Operation, mode: str, identifiers: Sequence[str], call: str, spent: float = 0.0
     ) -> Reply | None:
         """`_execute`, bounded so that a stalled connection cannot hang a step.
 
@@ -483,7 +488,7 @@ class _Semaphore(ABC):
         redirect: Exception | None = None
         failures = 0
         try:
-            with Bound(self._step_bound, f"a {operation} step of semaphore {self._name!r}"):
+            with Bound(self._step_bound, f"a {operation} step of semaphore {self._name!r}", spent=spent):
                 for attempt in itertools.count():
                     try:
                         reply = await self._execute(operation, mode, identifiers, call)

@@ -72,18 +72,21 @@ class Bound:
 
     A client with no ``socket_timeout`` waits for ever on a connection that
     stalls without closing; past ``seconds``, the block is cancelled and
-    `redis.TimeoutError` raised, naming ``what``.
+    `redis.TimeoutError` raised, naming ``what``. ``spent`` is how much of
+    the bound the call already spent before the block: waiting behind an
+    earlier call, say.
 
         with Bound(5.0, "a step of semaphore 'db'"):
             await client.evalsha(...)
     """
 
-    __slots__ = ("_scope", "_seconds", "_what")
+    __slots__ = ("_scope", "_seconds", "_spent", "_what")
 
-    def __init__(self, seconds: float, what: str) -> None:
+    def __init__(self, seconds: float, what: str, *, spent: float = 0.0) -> None:
         self._seconds = seconds
+        self._spent = spent
         self._what = what
-        self._scope = anyio.move_on_after(seconds)
+        self._scope = anyio.move_on_after(max(0.0, seconds - spent))
 
     def __enter__(self) -> None:
         self._scope.__enter__()
@@ -93,4 +96,5 @@ class Bound:
     ) -> None:
         self._scope.__exit__(exc_type, exc, traceback)
         if self._scope.cancelled_caught:
-            raise redis.TimeoutError(f"{self._what} got no answer within {self._seconds:g} s; given up")
+            waited = f", {self._spent:.2f} s of it waiting for an earlier call" if self._spent > 0 else ""
+            raise redis.TimeoutError(f"{self._what} got no answer within {self._seconds:g} s{waited}; given up")

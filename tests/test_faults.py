@@ -463,6 +463,48 @@ async def test_a_partition_holds_no_call_past_its_bound(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+async def test_a_call_queued_behind_a_stalled_step_gives_up_within_one_bound_of_its_call(
+    cls: SemaphoreClass, proxy: TcpProxy, redis_server: RedisServer
+) -> None:
+    client = proxied_client(proxy, redis_server)
+    sem = cls(client, f"stalled-behind-{cls.__name__}", 3, timeout=LEASE)
+    took: list[tuple[float, str]] = []
+    try:
+        held = [await sem.acquire() for _ in range(2)]
+        assert all(held)
+
+        async def release(permit: Permit | None) -> None:
+            assert permit is not None
+            started = anyio.current_time()
+            outcome = "hung past its bound"
+            with anyio.move_on_after(step_bound(sem) + MARGIN):
+                try:
+                    await sem.release(permit)
+                    outcome = "returned"
+                except redis.RedisError as error:
+                    outcome = type(error).__name__
+            took.append((anyio.current_time() - started, outcome))
+
+        proxy.partition()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(release, held[0])
+            await anyio.sleep(0.1)  # the first release is in flight: the second waits in its lane
+            tasks.start_soon(release, held[1])
+    finally:
+        proxy.heal()
+        await sem.aclose()
+        await client.aclose(close_connection_pool=True)
+    report(
+        f"{cls.__name__}: a release queued behind a stalled one",
+        caller_saw="; ".join(f"{outcome} after {seconds:.2f} s" for seconds, outcome in took),
+        recovered_in=None,
+        over_limit="none",
+    )
+    assert [outcome for _, outcome in took] == ["TimeoutError", "TimeoutError"], took
+
+
+@pytest.mark.slow
 async def test_after_a_partition_heals_waiters_are_woken_by_message_again(
     proxy: TcpProxy, redis_server: RedisServer
 ) -> None:

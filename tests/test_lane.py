@@ -36,12 +36,14 @@ class Recorder:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.since: list[float | None] = []
         self.tasks: list[asyncio.Task[object] | None] = []
         self.started = asyncio.Event()
         self.gate: asyncio.Event | None = None
 
-    async def run(self, identifiers: Sequence[str]) -> Result:
+    async def run(self, identifiers: Sequence[str], waiting_since: float | None) -> Result:
         self.batches.append(list(identifiers))
+        self.since.append(waiting_since)
         self.tasks.append(asyncio.current_task())
         self.started.set()
         if self.gate is not None:
@@ -83,6 +85,7 @@ async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> No
     lane = Lane(recorder.run)
     first = asyncio.create_task(submit(lane, "1"))
     await asyncio.wait_for(recorder.started.wait(), SETTLE)
+    before = asyncio.get_running_loop().time()
     others = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3, 4)]
     await asyncio.sleep(0)
     assert recorder.batches == [["1"]]
@@ -90,6 +93,11 @@ async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> No
     results = await asyncio.wait_for(asyncio.gather(first, *others), SETTLE)
     assert results == [(1,), (2,), (3,), (4,)]
     assert recorder.batches == [["1"], ["2", "3", "4"]]
+    # The first went at once; the batch after it says since when its calls waited, so their bound counts from then.
+    first_since, then_since = recorder.since
+    assert first_since is None
+    assert then_since is not None
+    assert before <= then_since <= asyncio.get_running_loop().time()
 
 
 async def test_once_crowded_the_calls_of_one_turn_go_in_one_batch() -> None:
@@ -131,7 +139,7 @@ async def test_a_failing_batch_fails_every_call_in_it_and_the_lane_goes_on() -> 
     batches: list[list[str]] = []
     gate = asyncio.Event()
 
-    async def run(identifiers: Sequence[str]) -> Result:
+    async def run(identifiers: Sequence[str], _waiting_since: float | None) -> Result:
         batches.append(list(identifiers))
         await gate.wait()
         if "bad" in identifiers:
