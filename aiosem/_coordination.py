@@ -107,12 +107,13 @@ class Lane(Generic[R]):
             the caller must undo what it may have done.
         """
         if self._busy or self._crowded:
-            future: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
-            submission.waiting_since = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[tuple[Sequence[int], R]] = loop.create_future()
+            submission.waiting_since = loop.time()
             self._pending.append((submission, future))
             if not self._busy:
                 self._busy = True
-                self._flusher = asyncio.get_running_loop().create_task(self._flush())
+                self._flusher = loop.create_task(self._flush())
             return await future
         self._busy = True
         submission.sent = True
@@ -141,11 +142,9 @@ class Lane(Generic[R]):
             self._crowded = len(batch) > 1
             if not batch:
                 continue
-            waiting_since = None
             for submission, _ in batch:
                 submission.sent = True
-                if submission.waiting_since is not None:
-                    waiting_since = min(waiting_since or submission.waiting_since, submission.waiting_since)
+            waiting_since = min((s.waiting_since for s, _ in batch if s.waiting_since is not None), default=None)
             try:
                 result = await self._run([i for submission, _ in batch for i in submission.identifiers], waiting_since)
             except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error

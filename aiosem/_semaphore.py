@@ -970,11 +970,15 @@ class _Semaphore(ABC):
             self._drop_hold(hold)
             hold.lose("the permit relayed to it was gone: its previous holder's lease had run out")
 
+    def _lease_end(self, holder: str) -> float:
+        """When the lease of a relayed permit may run out, as last confirmed (loop time)."""
+        lease_from, lease = self._relayed.get(holder, (-math.inf, 0.0))
+        return lease_from + lease
+
     def _watch_runs(self) -> None:
         """Look at the runs again when the earliest of their holders' leases may have run out."""
         if self._run_timer is None and self._runs:
-            ends = [self._relayed.get(holder, (-math.inf, 0.0)) for holder in self._runs]
-            at = min(lease_from + lease for lease_from, lease in ends) + _RECHECK_DELAY
+            at = min(self._lease_end(holder) for holder in self._runs) + _RECHECK_DELAY
             self._run_timer = asyncio.get_running_loop().call_at(at, self._check_runs)
 
     def _check_runs(self) -> None:
@@ -982,8 +986,7 @@ class _Semaphore(ABC):
         self._run_timer = None
         now = asyncio.get_running_loop().time()
         for holder in list(self._runs):
-            lease_from, lease = self._relayed.get(holder, (-math.inf, 0.0))
-            if lease_from + lease <= now:
+            if self._lease_end(holder) <= now:
                 self._strand(self._runs.pop(holder))
         self._watch_runs()
 
@@ -1185,6 +1188,12 @@ class _Semaphore(ABC):
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(SemaphoreError(f"semaphore {self._name!r} was closed", name=self._name))
+        # The runs' waiters failed above: nothing is relayed to them any more.
+        self._runs.clear()
+        self._reserved.clear()
+        if self._run_timer is not None:
+            self._run_timer.cancel()
+            self._run_timer = None
         pump = self._pump
         with anyio.CancelScope(shield=True), anyio.fail_after(_CLEANUP_TIMEOUT):
             if pump is not None:
@@ -1199,11 +1208,6 @@ class _Semaphore(ABC):
                 plain = [hold for hold in holds if hold.permit.identifier not in self._relayed]
                 for hold in relayed:
                     del self._relayed[hold.permit.identifier]
-                self._runs.clear()
-                self._reserved.clear()
-                if self._run_timer is not None:
-                    self._run_timer.cancel()
-                    self._run_timer = None
                 outcomes: list[tuple[Hold, int]] = []
                 if plain:
                     values, _ = await self._submit("release", "release", [hold.permit.identifier for hold in plain])
