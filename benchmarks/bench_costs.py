@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -36,11 +35,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bench_throughput import RAW_REMOVE, RawLoop, environment, markdown_table, new_client, positive, run_phase
+from bench_throughput import (
+    RAW_REMOVE,
+    RawLoop,
+    environment,
+    markdown_table,
+    new_client,
+    positive,
+    redis_server_binary,
+    run_phase,
+    write_report,
+)
 
 from aiosem import AsyncFairSemaphore
 from aiosem._connection import pinned_connection
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -222,9 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also profile the limit-16 scenario with pyinstrument")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     with (
         tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
         RedisServer(binary, Path(directory)) as server,
@@ -243,9 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cycles": [asdict(cost) for cost in cycles],
             "profile": profiled.splitlines(),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

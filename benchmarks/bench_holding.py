@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -36,10 +35,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 import redis.asyncio
-from bench_throughput import environment, markdown_table
+from bench_throughput import environment, markdown_table, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, recipes
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -158,9 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=6.0, help="measured seconds per scenario (default 6)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     results: list[HoldingResult] = []
     with (
         tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
@@ -180,9 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     if args.json is not None:
         report = {**environment([version]), "results": [asdict(result) for result in results]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import threading
@@ -96,12 +95,14 @@ from bench_throughput import (
     percentile,
     positive,
     redis_benchmark_ping,
+    redis_server_binary,
+    write_report,
 )
 from book import BookFairSemaphore, BookLockedSemaphore
 from limiters import AsyncSemaphore
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -601,9 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = plan.duration if args.duration is None else args.duration
     warmup = plan.warmup if args.warmup is None else args.warmup
 
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     versions: set[str] = set()
     ping: dict[str, float] | None = None
     rows: list[RowResult] = []
@@ -644,9 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "redis_benchmark_ping": ping,
             "rows": [asdict(row) for row in rows],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import redis.asyncio
-from bench_throughput import environment, markdown_table
+from bench_throughput import environment, markdown_table, redis_server_binary, write_report
 
 from aiosem import AsyncRateLimiter
 from aiosem._demo import embedded_server
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -188,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grants = asyncio.run(role_worker(args.url, args.coroutines, args.start, args.end))
         print(json.dumps(grants))
         return 0
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     results: list[RateResult] = []
     with (
         tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
@@ -214,9 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     if args.json is not None:
         report = {**environment([version]), "results": [asdict(result) for result in results]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

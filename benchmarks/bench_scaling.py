@@ -60,11 +60,19 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
 import anyio
 import redis.asyncio
-from bench_throughput import HOST, commandstats_calls, environment, markdown_table, new_client, percentile
+from bench_throughput import (
+    HOST,
+    commandstats_calls,
+    environment,
+    markdown_table,
+    new_client,
+    percentile,
+    redis_server_binary,
+    write_report,
+)
 from bench_waiting import Peer, next_message, on_fresh_server, open_stdin, report, verdict
 
 from aiosem import AsyncFairSemaphore
-from tests.support import find_redis_server
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -579,9 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock = time.get_clock_info("perf_counter")
     if "CLOCK_MONOTONIC" not in clock.implementation:
         print(f"warning: perf_counter is {clock.implementation}; cross-process times may not compare", file=sys.stderr)
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     plan = QUICK if args.quick else FULL
     versions: set[str] = set()
 
@@ -615,9 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "processes": [asdict(result) for result in processes],
             "waiters": [asdict(result) for result in waiters],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
     # The targets are reported; a correctness failure fails the run.
     return 0 if all(r.over_limit == 0 for r in processes) and all(r.all_passed for r in waiters) else 1
 

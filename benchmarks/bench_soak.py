@@ -64,11 +64,11 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, environment, markdown_table, positive
+from bench_throughput import HOST, environment, markdown_table, positive, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore
 from aiosem._urls import close, connect
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -631,17 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock = time.get_clock_info("monotonic")
     if "CLOCK_MONOTONIC" not in clock.implementation:
         print(f"warning: monotonic is {clock.implementation}; times of several processes may not compare")
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     print(f"soaking for {args.minutes:g} min; load average now {os.getloadavg()[0]:.2f}", file=sys.stderr)
     result, version = asyncio.run(soak(binary, plan))
     print_report(result, plan)
     if args.json is not None:
         report = {**environment(version), "plan": asdict(plan), **result}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

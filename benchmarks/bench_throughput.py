@@ -384,6 +384,21 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), rule, *(line(row) for row in rows)])
 
 
+def redis_server_binary() -> str:
+    """The ``redis-server`` a benchmark starts (``$AIOSEM_REDIS_SERVER``, else the one on ``PATH``); exits without."""
+    binary = find_redis_server()
+    if binary is None:
+        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    return binary
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write a benchmark's figures to ``path`` as indented JSON, making its folder if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def environment(redis_server: object) -> dict[str, object]:
     """What a result depends on besides aiosem's code: when, where, and with which versions."""
     return {
@@ -429,9 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
 
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     with (
         tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
         RedisServer(binary, Path(directory)) as server,
@@ -468,9 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "scenarios": [asdict(result) for result in uvloop_results],
             },
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

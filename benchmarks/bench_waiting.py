@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, environment, markdown_table, percentile
+from bench_throughput import HOST, environment, markdown_table, percentile, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer, find_redis_server
+from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -974,9 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock = time.get_clock_info("perf_counter")
     if "CLOCK_MONOTONIC" not in clock.implementation:
         print(f"warning: perf_counter is {clock.implementation}; cross-process times may not compare", file=sys.stderr)
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
+    binary = redis_server_binary()
     plan = QUICK if args.quick else FULL
     versions: set[str] = set()
 
@@ -1026,9 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "crash": [asdict(result) for result in crash],
             "connections": [asdict(result) for result in idle],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 
