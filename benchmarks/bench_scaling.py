@@ -48,9 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
-import sys
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass, replace
@@ -70,7 +68,7 @@ from bench_throughput import (
     redis_server_binary,
     write_report,
 )
-from bench_waiting import Peer, next_message, on_fresh_server, open_stdin, report, verdict
+from bench_waiting import Peer, next_message, on_fresh_server, open_stdin, parse_or_play_role, report, verdict
 
 from aiosem import AsyncFairSemaphore
 
@@ -576,17 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="shorter rows: a smoke run")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
-    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--config", type=json.loads, default={}, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.role is not None:
-        asyncio.run(run_role(args.role, args.port, args.config))
+    args = parse_or_play_role(parser, argv, ROLES, run_role)
+    if args is None:
         return 0
-
-    clock = time.get_clock_info("perf_counter")
-    if "CLOCK_MONOTONIC" not in clock.implementation:
-        print(f"warning: perf_counter is {clock.implementation}; cross-process times may not compare", file=sys.stderr)
     binary = redis_server_binary()
     plan = QUICK if args.quick else FULL
     versions: set[str] = set()

@@ -61,7 +61,7 @@ from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from tests.support import RedisServer
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Coroutine, Sequence
+    from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 
 Kind = Literal["fair", "locked"]
 Semaphore: TypeAlias = AsyncFairSemaphore | AsyncLockedSemaphore
@@ -959,21 +959,38 @@ def on_fresh_server(
         return asyncio.run(scenario(server.port))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
-    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+def parse_or_play_role(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    roles: Mapping[str, object],
+    run_role: Callable[[str, int, Message], Coroutine[Any, Any, None]],
+) -> argparse.Namespace | None:
+    """Parse a multi-process benchmark's arguments, with the hidden ones of its helper processes.
+
+    Started as a helper process (``--role``), play the role and return
+    ``None``. Otherwise warn if ``perf_counter`` cannot be compared across
+    processes, as the figures need.
+    """
+    parser.add_argument("--role", choices=sorted(roles), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role is not None:
         asyncio.run(run_role(args.role, args.port, args.config))
-        return 0
-
+        return None
     clock = time.get_clock_info("perf_counter")
     if "CLOCK_MONOTONIC" not in clock.implementation:
         print(f"warning: perf_counter is {clock.implementation}; cross-process times may not compare", file=sys.stderr)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    args = parse_or_play_role(parser, argv, ROLES, run_role)
+    if args is None:
+        return 0
     binary = redis_server_binary()
     plan = QUICK if args.quick else FULL
     versions: set[str] = set()
