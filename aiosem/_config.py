@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NamedTuple, Type
 from urllib.parse import urlsplit
 
 import anyio
-import redis.asyncio
 
 from ._exceptions import PermitLost
 from ._fair import AsyncFairSemaphore
@@ -50,6 +49,7 @@ from ._rate import AsyncRateLimiter
 from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
 from ._validation import (
     check_burst,
+    check_client,
     check_interval,
     check_limit,
     check_name,
@@ -61,6 +61,8 @@ from ._validation import (
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable
+
+    import redis.asyncio
 
     from ._connection import Client
 
@@ -246,15 +248,6 @@ def check_kind(value: object) -> Kind:
     if value == "locked":
         return "locked"
     raise ValueError(f"kind must be 'fair' or 'locked', got {value!r}")
-
-
-def check_client(value: object) -> Client:
-    if not isinstance(value, (redis.asyncio.Redis, redis.asyncio.RedisCluster)):
-        raise TypeError(
-            f"client must be a redis.asyncio.Redis or RedisCluster (aiosem is asyncio-only), not "
-            f"{type(value).__module__}.{type(value).__qualname__}"
-        )
-    return value
 
 
 def check_limits(value: object) -> dict[str, int]:
@@ -619,7 +612,6 @@ class LoopState:
         "clients",
         "closed",
         "epoch",
-        "evicted",
         "idle",
         "loop",
         "retired",
@@ -636,8 +628,6 @@ class LoopState:
         self.retired: list[Client] = []
         self.busy: dict[Hashable, Entry[Any]] = {}
         self.idle: OrderedDict[Hashable, Entry[Any]] = OrderedDict()
-        #: Objects evicted, to close (unsubscribe) before the next checkout.
-        self.evicted: list[Limited] = []
         #: How many calls use an object, of this epoch or an earlier one;
         #: `unused` is set while none does.
         self.users = 0
@@ -682,9 +672,9 @@ class LoopState:
             if entry.epoch == self.epoch:
                 self.idle[entry.key] = entry
                 while len(self.idle) > CACHE_SIZE:
-                    # Idle: it holds nothing and nobody waits on it; closing
-                    # it only ends its subscription.
-                    self.evicted.append(self.idle.popitem(last=False)[1].cached)
+                    # Idle: it holds nothing, nobody waits on it, and it lets
+                    # go of its subscription by itself: it needs no closing.
+                    self.idle.popitem(last=False)
         if self.users == 0:
             self.unused.set()
 
@@ -704,10 +694,9 @@ class LoopState:
                     await self.unused.wait()
             objects: list[Limited] = [entry.cached for entry in self.busy.values()]
             if not final:
-                objects += [entry.cached for entry in self.idle.values()] + self.evicted
+                objects += [entry.cached for entry in self.idle.values()]
             self.busy.clear()
             self.idle.clear()
-            self.evicted.clear()
             self.epoch += 1
             clients = [*self.clients.values()]
             self.clients.clear()
@@ -782,11 +771,6 @@ async def checkout(name: str, given: Options[L]) -> Entry[L]:
     current = _settings
     specific, create = given.resolve(name, current)
     state = await loop_state()
-    if state.evicted:
-        evicted, state.evicted = state.evicted, []
-        with anyio.CancelScope(shield=True):
-            for cached in evicted:
-                await _quietly(cached.aclose(), "closing the evicted %r", cached)
     client = given.client if given.client is not None else current.client
     if client is None:
         client = state.client_for(default_url())

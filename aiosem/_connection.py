@@ -327,6 +327,30 @@ async def check_eviction_policy(client: Client, key: str) -> None:
         )
 
 
+#: The clients whose eviction policy is being looked at, and the tasks doing it.
+_policy_checking: weakref.WeakSet[Client] = weakref.WeakSet()
+_policy_checks: set[asyncio.Task[None]] = set()
+
+
+def watch_eviction_policy(client: Client, key: str) -> None:
+    """Run `check_eviction_policy` in the background, unless it ran, or runs, for ``client``.
+
+    A call that needs the check never waits for it: one-time set-up must
+    neither reorder callers nor stretch their timeouts.
+    """
+    if client in _policy_checked or client in _policy_checking:
+        return
+    _policy_checking.add(client)
+    task = asyncio.get_running_loop().create_task(check_eviction_policy(client, key), name="aiosem eviction policy")
+    _policy_checks.add(task)
+
+    def checked(done: asyncio.Task[None]) -> None:
+        _policy_checks.discard(done)
+        _policy_checking.discard(client)
+
+    task.add_done_callback(checked)
+
+
 def _config_value(reply: Any) -> str:
     """The value of a one-parameter CONFIG GET reply: a flat list in RESP2, a map in RESP3."""
     values = list(reply.values()) if isinstance(reply, dict) else list(reply)[1::2]

@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, NamedTuple, Protocol, TypeVar
 
 import anyio
 import redis
@@ -34,11 +34,12 @@ if TYPE_CHECKING:
     from ._connection import Client
 
     #: Where a subscriber delivers a channel's messages; held weakly.
-    Handler = weakref.WeakMethod[Callable[[str], None]]
+    Handler = weakref.ref["Listener"]
 
 logger = logging.getLogger("aiosem")
 
 R = TypeVar("R")
+T = TypeVar("T")
 P = TypeVar("P", bound="_PerLoop")
 
 #: How long a new subscription may take to be confirmed.
@@ -54,115 +55,145 @@ _RECONNECT_PAUSE: Final = 0.05
 _LONGEST_RECONNECT_PAUSE: Final = 1.0
 
 
-class Submission:
-    """The identifiers of one call to a `Lane`, and whether they were sent."""
+class Listener(Protocol):
+    """What a subscriber delivers a channel's messages to: a semaphore object, held weakly."""
 
-    __slots__ = ("identifiers", "sent", "waiting_since")
+    def _on_message(self, message: str) -> None:
+        """A message on the listener's channel."""
+
+    @property
+    def _listening(self) -> bool:
+        """Whether the listener needs its channel now: a connection lost is made again only for one that does."""
+
+    def _channel_lost(self) -> None:
+        """The channel was let go of without being asked: its connection failed while it was not needed."""
+
+
+class Submission(Generic[R]):
+    """The identifiers of one call to a `Lane`, whether they were sent, and what the step answered.
+
+    The outcome outlives the call: a caller cancelled once its identifiers
+    were sent can still learn what Redis did with them (`outcome`), and
+    undo exactly that.
+    """
+
+    __slots__ = ("awaited", "identifiers", "outcome", "sent", "waiting_since")
 
     def __init__(self, identifiers: Sequence[str]) -> None:
         self.identifiers = identifiers
-        #: Set once a call carrying these identifiers has started: from then
+        #: Set once a batch carrying these identifiers has started: from then
         #: on Redis may act on them, even if the caller is cancelled.
         self.sent = False
-        #: When the call began to wait for a batch (loop time), if it had to.
+        #: When the call began to wait for its batch (loop time).
         self.waiting_since: float | None = None
+        #: The values of these identifiers and the whole result, once the step answered.
+        self.outcome: asyncio.Future[tuple[Sequence[int], R]] | None = None
+        #: What the caller awaits: cancelled the moment the caller is.
+        self.awaited: asyncio.Future[tuple[Sequence[int], R]] | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the caller gave up before a batch carried these identifiers: they are left out."""
+        return not self.sent and self.awaited is not None and self.awaited.cancelled()
 
 
 class Lane(Generic[R]):
-    """Coalesces concurrent calls of one kind into one call at a time.
+    """Coalesces concurrent calls of one kind into one call at a time, run in a task of the lane's own.
 
-    A call made while none is in flight runs at once, in the caller's own
-    task, so an uncontended call costs exactly what a direct one does. Calls
-    made while one is in flight wait, and then all go together in the next
-    call, whose result each reads its part of. A caller cancelled before its
-    batch starts is left out of it.
+    A call joins the next batch; the batches run one after another in the
+    lane's flusher task, which starts with the first call and ends once no
+    call is left. Calls made in one turn of the event loop, as the callers
+    one reply wakes make theirs, go together; so do the calls made while a
+    batch is in flight. Each reads its part of the batch's result.
 
-    While the lane is crowded -- its last batch carried several calls --
-    a call made while none is in flight does not go at once either: it
-    starts a batch in a task of its own, which the calls made in the same
-    turn of the event loop join. Many tasks woken together by one reply
-    would otherwise send the first of them alone and the rest after it:
-    twice the round trips.
+    No batch ever runs in a caller's task, so a caller's cancellation never
+    interrupts a call to Redis half-way: it reaches the caller at once, as
+    `CancelledError`, and never the client library (redis-py's
+    ``wait_for`` on Python 3.10 and 3.11 would swallow it, and a command
+    cut short drops its connection). A caller cancelled before its batch
+    starts is left out of it; one cancelled later can still read what the
+    step did (`Submission.outcome`) and undo it.
 
     ``run`` takes the identifiers of a batch, and when the longest-waiting
-    call of the batch began to wait (``None``: nobody waited), and returns
-    a result whose ``values`` hold one value per identifier. A call's bound
-    counts from its call, waiting included.
+    call of the batch began to wait, and returns a result whose ``values``
+    hold one value per identifier. A call's bound counts from its call,
+    waiting included.
     """
 
-    __slots__ = ("_busy", "_crowded", "_flusher", "_pending", "_run")
+    __slots__ = ("_flusher", "_pending", "_run")
 
     def __init__(self, run: Callable[[Sequence[str], float | None], Awaitable[R]]) -> None:
         self._run = run
-        self._busy = False
-        self._crowded = False
-        self._pending: list[tuple[Submission, asyncio.Future[tuple[Sequence[int], R]]]] = []
+        self._pending: list[Submission[R]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def submit(self, submission: Submission) -> tuple[Sequence[int], R]:
+    async def submit(self, submission: Submission[R]) -> tuple[Sequence[int], R]:
         """Run a step for the submission's identifiers; return their values and the whole result.
 
         Cancellation:
-            If ``submission.sent`` is set, the step may still take effect and
-            the caller must undo what it may have done.
+            Raised at once. If ``submission.sent`` is set by then, the step
+            goes on and may take effect: the caller must undo what it did,
+            which ``submission.outcome`` tells once the step has answered.
         """
-        if self._busy or self._crowded:
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[tuple[Sequence[int], R]] = loop.create_future()
-            submission.waiting_since = loop.time()
-            self._pending.append((submission, future))
-            if not self._busy:
-                self._busy = True
-                self._flusher = loop.create_task(self._flush())
-            return await future
-        self._busy = True
-        submission.sent = True
-        try:
-            result = await self._run(submission.identifiers, None)
-        finally:
-            if self._pending:
-                self._flusher = asyncio.get_running_loop().create_task(self._flush())
-            else:
-                self._busy = False
-        return result.values, result  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        outcome = submission.outcome = loop.create_future()
+        submission.waiting_since = loop.time()
+        self._pending.append(submission)
+        if self._flusher is None:
+            # Not the loop's task factory: an eager one would start the batch
+            # before the other calls of this turn could join it.
+            self._flusher = asyncio.Task(self._flush(), loop=loop, name="aiosem lane")
+        awaited = submission.awaited = asyncio.shield(outcome)
+        return await awaited
 
     async def _flush(self) -> None:
         async with keeping_connections():
             try:
-                await self._flush_batches()
+                while self._pending:
+                    batch = [submission for submission in self._pending if not submission.abandoned]
+                    self._pending = []
+                    if batch:
+                        await self._run_batch(batch)
             finally:
-                # Before the kept connections go back: a call made meanwhile starts its own batch.
-                self._busy = False
+                # Before the kept connections go back: a call made meanwhile starts a flusher of its own.
                 self._flusher = None
+                for submission in self._pending:
+                    _settle(submission, asyncio.CancelledError())
+                self._pending = []
 
-    async def _flush_batches(self) -> None:
-        while self._pending:
-            batch = [(submission, future) for submission, future in self._pending if not future.done()]
-            self._pending = []
-            self._crowded = len(batch) > 1
-            if not batch:
-                continue
-            for submission, _ in batch:
-                submission.sent = True
-            waiting_since = min((s.waiting_since for s, _ in batch if s.waiting_since is not None), default=None)
-            try:
-                result = await self._run([i for submission, _ in batch for i in submission.identifiers], waiting_since)
-            except Exception as error:  # noqa: BLE001 -- every waiter of the batch gets the batch's error
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            except BaseException:
-                for _, future in batch:
-                    future.cancel()
-                raise
-            values = result.values  # type: ignore[attr-defined]
-            offset = 0
-            for submission, future in batch:
-                count = len(submission.identifiers)
-                if not future.done():
-                    future.set_result((values[offset : offset + count], result))
-                offset += count
+    async def _run_batch(self, batch: list[Submission[R]]) -> None:
+        for submission in batch:
+            submission.sent = True
+        waiting_since = min((s.waiting_since for s in batch if s.waiting_since is not None), default=None)
+        try:
+            result = await self._run([i for submission in batch for i in submission.identifiers], waiting_since)
+        except Exception as error:  # noqa: BLE001 -- every call of the batch gets the batch's error
+            for submission in batch:
+                _settle(submission, error)
+            return
+        except BaseException as error:
+            for submission in batch:
+                _settle(submission, asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error)
+            raise
+        values = result.values  # type: ignore[attr-defined]
+        offset = 0
+        for submission in batch:
+            count = len(submission.identifiers)
+            _settle(submission, (values[offset : offset + count], result))
+            offset += count
+
+
+def _settle(submission: Submission[R], outcome: tuple[Sequence[int], R] | BaseException) -> None:
+    """Give ``submission`` its outcome (a caller that gave up meanwhile reads it through `asyncio.shield`)."""
+    future = submission.outcome
+    if future is None or future.done():
+        return
+    if isinstance(outcome, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class _Kinds(NamedTuple):
@@ -206,11 +237,14 @@ class _PerLoop:
 class Subscriber(_PerLoop):
     """One pub/sub connection of a client, shared by every semaphore of the process.
 
-    Each semaphore subscribes its own channel with a handler, which is held
-    weakly: a semaphore that is gone is unsubscribed the next time the
-    subscriber is idle. The reader survives connection errors: redis-py
-    reconnects and subscribes again, and a message lost meanwhile only
-    delays a waiter until its semaphore's next re-check.
+    Each semaphore subscribes its own channel as a `Listener`, held weakly:
+    a semaphore that is gone is unsubscribed the next time the subscriber
+    is idle. The reader survives connection errors while a listener needs
+    its channel: redis-py reconnects and subscribes again, and a message
+    lost meanwhile only delays a waiter until its semaphore's next
+    re-check. A connection lost while no listener needs it -- the client
+    was closed, say -- is not made again: every channel is let go of, each
+    listener told, and the reader ends.
 
     With ``on_dropped`` (a cluster node's subscriber, by sharded pub/sub),
     the subscriber neither reconnects nor subscribes again on its own: the
@@ -256,8 +290,8 @@ class Subscriber(_PerLoop):
         """How many channels are subscribed, or being subscribed."""
         return len(self._handlers)
 
-    async def subscribe(self, channel: str, handler: Callable[[str], None] | Handler) -> None:
-        """Deliver the messages of ``channel`` to ``handler`` from now on.
+    async def subscribe(self, channel: str, listener: Listener | Handler) -> None:
+        """Deliver the messages of ``channel`` to ``listener`` from now on.
 
         Returns once the server has confirmed the subscription; concurrent
         calls for one channel share one subscription.
@@ -268,8 +302,7 @@ class Subscriber(_PerLoop):
         """
         ready = self._ready.get(channel)
         if ready is None:
-            weak = handler if isinstance(handler, weakref.WeakMethod) else weakref.WeakMethod(handler)
-            self._handlers[channel] = weak
+            self._handlers[channel] = listener if isinstance(listener, weakref.ref) else weakref.ref(listener)
             ready = self._ready[channel] = self._loop.create_future()
             # Sent from a task of the subscriber's own, so that a caller
             # cancelled meanwhile cannot take the subscription from the others.
@@ -330,16 +363,9 @@ class Subscriber(_PerLoop):
                     self._refuse(error)
                     continue
                 except redis.RedisError:
-                    if self._on_dropped is not None:
-                        # Subscribed again elsewhere, wherever the slots went.
-                        logger.debug("a pub/sub connection to a cluster node failed", exc_info=True)
-                        self._drop(list(self._handlers))
-                        continue
-                    # redis-py reconnects and subscribes again on the next read.
-                    if failures == 0:
-                        logger.warning("aiosem's pub/sub connection failed; reconnecting", exc_info=True)
                     failures += 1
-                    await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+                    if not await self._read_on_after(failures):
+                        return
                     continue
                 failures = 0
                 if message is not None:
@@ -367,6 +393,23 @@ class Subscriber(_PerLoop):
                 except redis.RedisError:
                     logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
 
+    async def _read_on_after(self, failures: int) -> bool:
+        """Act on the reader's connection failing, for the ``failures``-th time in a row; whether to read on."""
+        if self._on_dropped is not None:
+            # Subscribed again elsewhere, wherever the slots went.
+            logger.debug("a pub/sub connection to a cluster node failed", exc_info=True)
+            self._drop(list(self._handlers))
+            return True
+        if not self._needed():
+            logger.debug("aiosem's pub/sub connection ended while no channel was needed", exc_info=True)
+            self._let_go()
+            return False
+        # redis-py reconnects and subscribes again on the next read.
+        if failures == 1:
+            logger.warning("aiosem's pub/sub connection failed; reconnecting", exc_info=True)
+        await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+        return True
+
     async def _ping(self, pubsub: PubSub) -> None:
         """Ask a connection silent for a while for a PONG, which the reader takes as any message."""
         with anyio.move_on_after(_SUBSCRIBE_TIMEOUT):
@@ -392,9 +435,9 @@ class Subscriber(_PerLoop):
             ready.set_result(None)
         elif kind == self._kinds.message:
             handler = self._handlers.get(channel)
-            method = None if handler is None else handler()
-            if method is not None:
-                method(self._text(message["data"]))
+            listener = None if handler is None else handler()
+            if listener is not None:
+                listener._on_message(self._text(message["data"]))  # noqa: SLF001 -- the listener protocol
         elif kind == self._kinds.unsubscribe and self._on_dropped is not None and ready is not None:
             # Not asked for (those leave `_ready` first): the slot moved to
             # another node, whose subscriber takes the channel over. redis-py
@@ -417,6 +460,21 @@ class Subscriber(_PerLoop):
             if not ready.done():
                 ready.set_exception(redis.ConnectionError(f"the subscription to {channel} was dropped"))
         self._on_dropped(dropped)
+
+    def _needed(self) -> bool:
+        """Whether some channel is needed now: its listener has waiters, or its subscription is awaited."""
+        return any(not ready.done() for ready in self._ready.values()) or any(
+            (listener := handler()) is not None and listener._listening  # noqa: SLF001 -- the listener protocol
+            for handler in self._handlers.values()
+        )
+
+    def _let_go(self) -> None:
+        """Forget every channel, as the lost connection's end did on the server, and tell their listeners."""
+        handlers, self._handlers, self._ready = self._handlers, {}, {}
+        for handler in handlers.values():
+            listener = handler()
+            if listener is not None:
+                listener._channel_lost()  # noqa: SLF001 -- the listener protocol
 
     def _refuse(self, error: redis.ResponseError) -> None:
         refused = [channel for channel, ready in self._ready.items() if not ready.done()]
@@ -442,9 +500,9 @@ class ShardedSubscriber(_PerLoop):
     One `Subscriber` per node, on a connection of its own. A channel whose
     subscription a node drops -- its slot moved, or the node failed -- is
     subscribed again in the background on whichever node serves its slot
-    once the client has learnt the new layout, for as long as its handler
-    lives; messages lost meanwhile only delay waiters until their next
-    re-check.
+    once the client has learnt the new layout, while its listener needs it;
+    messages lost meanwhile only delay waiters until their next re-check. A
+    listener that does not need its channel any more is told it was let go.
     """
 
     __slots__ = ("__weakref__", "_client", "_loop", "_nodes", "_resubscribing", "_wanted")
@@ -458,14 +516,14 @@ class ShardedSubscriber(_PerLoop):
         self._wanted: dict[str, Handler] = {}
         self._resubscribing: set[asyncio.Task[None]] = set()
 
-    async def subscribe(self, channel: str, handler: Callable[[str], None]) -> None:
-        """Deliver the messages of ``channel`` to ``handler`` from now on, from the node of its slot.
+    async def subscribe(self, channel: str, listener: Listener) -> None:
+        """Deliver the messages of ``channel`` to ``listener`` from now on, from the node of its slot.
 
         Raises:
             TimeoutError: No confirmation within 5 s.
             redis.RedisError: The subscription failed or was refused.
         """
-        self._wanted[channel] = weak = weakref.WeakMethod(handler)
+        self._wanted[channel] = weak = weakref.ref(listener)
         with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
             await self._subscribe_where_served(channel, weak)
 
@@ -513,8 +571,13 @@ class ShardedSubscriber(_PerLoop):
         failures = 0
         while handlers:
             channel, handler = next(iter(handlers.items()))
-            if self._wanted.get(channel) is not handler or handler() is None:
+            listener = handler()
+            if self._wanted.get(channel) is not handler or listener is None:
                 del handlers[channel]
+                continue
+            if not listener._listening:  # noqa: SLF001 -- the listener protocol
+                del handlers[channel], self._wanted[channel]
+                listener._channel_lost()  # noqa: SLF001 -- the listener protocol
                 continue
             try:
                 with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
@@ -538,6 +601,72 @@ def subscriber_of(client: Client) -> Subscriber | ShardedSubscriber:
     if isinstance(client, RedisCluster):
         return ShardedSubscriber.of(client)
     return Subscriber.of(client)
+
+
+#: Calls whose callers were cancelled, running on (a task must be referenced to run).
+_detached: set[asyncio.Future[Any]] = set()
+
+
+def _ended(task: asyncio.Future[Any]) -> None:
+    _detached.discard(task)
+    if not task.cancelled():
+        task.exception()  # read: a caller that gave up on it hears of its own cancellation instead
+
+
+async def detached(call: Awaitable[T], *, name: str) -> T:
+    """``await call``, run in a task of its own: a cancellation reaches the caller at once, never the call.
+
+    A call to Redis cut off half-way drops its connection, and on Python
+    3.10 and 3.11 redis-py's ``wait_for`` may swallow the cancellation
+    altogether and return as if nothing happened. The call runs on, within
+    its own bound; what it returns then is dropped.
+    """
+    task = asyncio.ensure_future(call)
+    if isinstance(task, asyncio.Task):
+        task.set_name(name)
+    _detached.add(task)
+    task.add_done_callback(_ended)
+    return await asyncio.shield(task)
+
+
+#: How long what a cancelled caller must still do may take before it is left to the background.
+CLEANUP_TIMEOUT: Final = 5.0
+
+
+async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_TIMEOUT) -> T:
+    """Run ``call`` in a task of its own, and wait for it through any cancellation, for up to ``seconds``.
+
+    What a cancelled caller must still do -- give back a permit, leave the
+    queue -- is done before its cancellation goes on, whether that came from
+    an anyio cancel scope or from asyncio itself (``Task.cancel``,
+    ``asyncio.timeout``), which a shielded cancel scope does not hold off.
+    The first cancellation is raised once the call has ended.
+
+    Raises:
+        TimeoutError: The call took longer than ``seconds``; it goes on in
+            the background, within its own bound. (A cancellation, if one
+            came, is raised instead.)
+        Exception: What the call raised.
+    """
+    task = asyncio.ensure_future(call)
+    if isinstance(task, asyncio.Task):
+        task.set_name(name)
+    _detached.add(task)
+    task.add_done_callback(_ended)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    cancellation: asyncio.CancelledError | None = None
+    with anyio.CancelScope(shield=True):
+        while not task.done() and (remaining := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait({task}, timeout=remaining)
+            except asyncio.CancelledError as error:  # noqa: PERF203 -- held off until the call ends
+                cancellation = cancellation or error
+    if cancellation is not None:
+        raise cancellation
+    if not task.done():
+        raise TimeoutError(f"{name} took longer than {seconds:g} s; left to finish in the background")
+    return task.result()
 
 
 def raise_if_cancel_swallowed(task: asyncio.Task[Any] | None) -> None:

@@ -11,9 +11,10 @@ from ._semaphore import Operation, Reply, _Semaphore
 from ._timing import step_bound
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ._keys import SemaphoreKeys
+    from ._semaphore import LostCallback
 
 __all__ = ["AsyncFairSemaphore", "fair_step"]
 
@@ -152,6 +153,36 @@ class AsyncFairSemaphore(_Semaphore):
     """
 
     __slots__ = ()
+
+    def __init__(
+        self,
+        client: Client,
+        name: str,
+        limit: int,
+        *,
+        timeout: float = 10.0,
+        blocking_timeout: float | None = None,
+        prefix: str = "aiosem",
+        clock: Callable[[], float] | None = None,
+        waiter_timeout: float | None = None,
+        refresh_interval: float | None = None,
+        on_lost: LostCallback | None = None,
+        replicas: int = 0,
+    ) -> None:
+        # Its own signature, so that a wrong keyword is refused in this class's name.
+        super().__init__(
+            client,
+            name,
+            limit,
+            timeout=timeout,
+            blocking_timeout=blocking_timeout,
+            prefix=prefix,
+            clock=clock,
+            waiter_timeout=waiter_timeout,
+            refresh_interval=refresh_interval,
+            on_lost=on_lost,
+            replicas=replicas,
+        )
 
     async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply:
         return await fair_step(

@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from typing import TYPE_CHECKING, Final
 
 import anyio
+import redis
 
-from ._connection import check_eviction_policy
+from ._connection import watch_eviction_policy
+from ._coordination import to_the_end
 from ._exceptions import AcquireTimeout
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
 from ._timing import SHORTEST_STEP_BOUND, Bound
-from ._validation import check_burst, check_interval, check_name, check_now, check_positive, check_wait
+from ._validation import (
+    check_burst,
+    check_client,
+    check_interval,
+    check_name,
+    check_now,
+    check_positive,
+    check_wait,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
     from types import TracebackType
 
     from ._connection import Client
@@ -29,8 +40,6 @@ __all__ = ["AsyncRateLimiter"]
 
 logger = logging.getLogger("aiosem")
 
-#: How long giving back the slot of a cancelled wait may take.
-_CLEANUP_TIMEOUT: Final = 5.0
 _MICROSECONDS: Final = 1_000_000
 
 
@@ -96,7 +105,7 @@ class AsyncRateLimiter:
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
         self._clock = clock
-        self._client = client
+        self._client = check_client(client)
         self._interval_us = max(1, round(self._per / self._rate * _MICROSECONDS))
 
     @property
@@ -168,40 +177,65 @@ class AsyncRateLimiter:
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
-            A call cancelled while it sleeps gives its slot back (shielded,
-            bounded to 5 s) if nobody reserved one after it, so a cancelled
-            caller does not slow the others down. One cancelled while its
-            reservation is on its way to Redis may leave that slot unused.
+            Raised at once, wherever it lands. The slot of a cancelled call
+            -- taken, or its reservation still on its way to Redis -- is
+            given back (shielded, bounded to 5 s) if nobody reserved one
+            after it, so a cancelled caller does not slow the others down.
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         started = time.monotonic()
-        await check_eviction_policy(self._client, self._key)
+        watch_eviction_policy(self._client, self._key)
         if not blocking:
-            granted, _, _ = await self._run("try", "")
+            granted, delay, tat = await self._reserve("try", "")
         else:
             longest = "" if wait is None else str(math.floor(wait * _MICROSECONDS))
-            granted, delay, tat = await self._run("reserve", longest)
-            if granted and delay > 0:
-                await self._sleep_until_slot(delay, tat)
+            granted, delay, tat = await self._reserve("reserve", longest)
+        if granted and delay > 0:
+            await self._sleep_until_slot(delay, tat)
         emit("acquired" if granted else "timed_out", "rate", self._name, time.monotonic() - started)
         return granted
+
+    async def _reserve(self, mode: str, argument: str) -> tuple[bool, float, int]:
+        """Take or reserve a slot in a task of its own, so that a cancellation never cuts the call off.
+
+        A caller cancelled meanwhile hears of it at once, once the slot the
+        call took, if it took one, is given back.
+        """
+        reservation = asyncio.get_running_loop().create_task(self._run(mode, argument), name="aiosem rate")
+        try:
+            return await asyncio.shield(reservation)
+        except asyncio.CancelledError:
+            await self._give_back(self._slot_of(reservation))
+            raise
+
+    async def _slot_of(self, reservation: asyncio.Task[tuple[bool, float, int]]) -> None:
+        """Give back the slot ``reservation`` takes, if it takes one."""
+        try:
+            granted, _, tat = await reservation
+        except redis.RedisError:
+            return  # nothing was taken
+        if granted:
+            await self._run("return", str(tat))
 
     async def _sleep_until_slot(self, delay: float, tat: int) -> None:
         """Sleep until the reserved slot comes; give it back if cancelled meanwhile."""
         try:
             await anyio.sleep(delay)
         except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
-                try:
-                    await self._run("return", str(tat))
-                except Exception:
-                    logger.warning(
-                        "could not give back the slot of a cancelled wait on %r",
-                        self,
-                        exc_info=True,
-                        extra=log_fields(self._name),
-                    )
+            await self._give_back(self._run("return", str(tat)))
             raise
+
+    async def _give_back(self, call: Awaitable[object]) -> None:
+        """Run ``call``, which gives back the slot of a cancelled call if nobody reserved one after it, to its end."""
+        try:
+            await to_the_end(call, name=f"giving back a slot of {self!r}")
+        except Exception:
+            logger.warning(
+                "could not give back the slot of a cancelled wait on %r",
+                self,
+                exc_info=True,
+                extra=log_fields(self._name),
+            )
 
     async def try_acquire(self) -> bool:
         """Take a slot if one is free now, without waiting; the same as ``acquire(blocking=False)``."""

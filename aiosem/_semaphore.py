@@ -35,19 +35,27 @@ from ._connection import (
     REDIRECTS,
     Client,
     check_cluster_support,
-    check_eviction_policy,
     reroute,
     scored,
     text,
     transaction,
+    watch_eviction_policy,
 )
-from ._coordination import Lane, Submission, raise_if_cancel_swallowed, subscriber_of
+from ._coordination import Lane, Submission, detached, raise_if_cancel_swallowed, subscriber_of, to_the_end
 from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
 from ._timing import Backoff, Bound, Deadline, step_bound
-from ._validation import check_limit, check_name, check_now, check_replicas, check_timeout, check_wait
+from ._validation import (
+    check_client,
+    check_limit,
+    check_name,
+    check_now,
+    check_replicas,
+    check_timeout,
+    check_wait,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -60,14 +68,17 @@ logger = logging.getLogger("aiosem")
 
 Operation = Literal["acquire", "release", "refresh"]
 
-#: How long a release that runs while its caller is being cancelled, or after
-#: its body failed, may take before it is abandoned to the lease.
-_CLEANUP_TIMEOUT: Final = 5.0
 #: The default waiter timeout, unless the lease is shorter.
 _WAITER_TIMEOUT: Final = 2.0
 #: How long after a lease runs out its semaphore is re-checked: enough for
 #: the server's clock to have passed it too.
 _RECHECK_DELAY: Final = 0.001
+
+
+#: How long an object keeps its channel subscribed once its last waiter has
+#: gone: waits that follow one another closely share one subscription, and
+#: a client closed meanwhile is let go of well within half a second.
+_SUBSCRIPTION_LINGER: Final = 0.25
 
 
 #: The longest pause between tries of a step that has to happen.
@@ -118,6 +129,18 @@ async def _granted_within(waiter: asyncio.Future[int], wait: float | None) -> in
         return 0
     finally:
         timer.cancel()
+
+
+def _failure(future: asyncio.Future[Any]) -> BaseException | None:
+    """What ``future`` failed with, if it is done and failed (read, so not logged as never retrieved)."""
+    return future.exception() if future.done() and not future.cancelled() else None
+
+
+def _raise_failure(future: asyncio.Future[Any]) -> None:
+    """Raise what ``future`` failed with, if it is done and failed."""
+    failure = _failure(future)
+    if failure is not None:
+        raise failure
 
 
 class _Default(enum.Enum):
@@ -229,6 +252,7 @@ class _Semaphore(ABC):
         "_lanes",
         "_last",
         "_limit",
+        "_linger",
         "_loop",
         "_name",
         "_on_lost",
@@ -242,11 +266,12 @@ class _Semaphore(ABC):
         "_refresh_interval",
         "_relayed",
         "_replicas",
-        "_reserved",
         "_run_timer",
         "_runs",
         "_subscribed",
+        "_subscribing",
         "_timeout",
+        "_unsubscribing",
         "_waiter_ttl",
         "_waiters",
         "_wake",
@@ -267,7 +292,7 @@ class _Semaphore(ABC):
         on_lost: LostCallback | None = None,
         replicas: int = 0,
     ) -> None:
-        check_cluster_support(client)
+        check_cluster_support(check_client(client))
         self._name = check_name(name)
         self._limit = check_limit(limit)
         self._timeout = check_timeout(timeout)
@@ -309,7 +334,12 @@ class _Semaphore(ABC):
         self._pump: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._recheck_at: float | None = None
+        #: The channel: subscribed (or failed to, and not tried again yet);
+        #: being subscribed, or unsubscribed; and when it goes, unused.
         self._subscribed = False
+        self._subscribing: asyncio.Task[None] | None = None
+        self._unsubscribing: asyncio.Task[None] | None = None
+        self._linger: asyncio.TimerHandle | None = None
         self._last = Reply(0, 0, None, ())
         #: Permits kept alive by the refresher, by identifier.
         self._holds: dict[str, Hold] = {}
@@ -321,11 +351,11 @@ class _Semaphore(ABC):
         self._confirmed: dict[str, tuple[float, float]] = {}
         #: A mutex relayed through runs of this object's waiters (see
         #: `_relay`): the identifiers holding it, with how their lease was
-        #: last confirmed; the run behind each; the waiters of runs, not
-        #: queued in Redis any more; and those whose relay is on its way there.
+        #: last confirmed; the run behind each (its waiters stay queued in
+        #: Redis until a pass reaches them); and those whose relay is on its
+        #: way there.
         self._relayed: dict[str, tuple[float, float]] = {}
         self._runs: dict[str, list[tuple[str, int]]] = {}
-        self._reserved: set[str] = set()
         self._passing: set[str] = set()
         self._run_timer: asyncio.TimerHandle | None = None
 
@@ -420,17 +450,17 @@ class _Semaphore(ABC):
         self._pump = None
         self._wake = asyncio.Event()
         self._subscribed = False
+        self._subscribing = self._unsubscribing = self._linger = None
         self._holds.clear()
         self._proven.clear()
         self._confirmed.clear()
         self._relayed.clear()
         self._runs.clear()
-        self._reserved.clear()
         self._passing.clear()
         self._run_timer = None
 
     async def _submit(
-        self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission
+        self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission[Reply]
     ) -> tuple[Sequence[int], Reply]:
         self._bind()
         lane = self._lanes.get((operation, mode))
@@ -528,20 +558,14 @@ class _Semaphore(ABC):
                 self._confirmed[identifier] = (sent, self._timeout)
                 waiter.set_result(token)
                 resolved.append(identifier)
-        if reply.relayed:
-            if len(resolved) == 1:
-                (head,) = resolved
-                self._relayed[head] = (sent, self._timeout)
-                self._runs[head] = list(reply.relayed)
-                for identifier, _ in reply.relayed:
-                    self._reserved.add(identifier)
-                    self._queued.discard(identifier)
-                    self._proven.pop(identifier, None)
-                self._watch_runs()
-            else:
-                # Granted to an acquire given up meanwhile, whose cancel
-                # gives the permit to the queue: the run cannot have it.
-                self._strand(reply.relayed)
+        if reply.relayed and len(resolved) == 1:
+            # (Granted to an acquire given up meanwhile, the permit goes back
+            # by its cancel, to the head of the queue: the run's waiters are
+            # queued there still, in their places.)
+            (head,) = resolved
+            self._relayed[head] = (sent, self._timeout)
+            self._runs[head] = list(reply.relayed)
+            self._watch_runs()
         if self._queued:
             self._recheck_when(reply)
 
@@ -637,8 +661,6 @@ class _Semaphore(ABC):
         """Act on what a re-check sent at ``sent`` answered for each identifier."""
         dropped = []
         for identifier, value in zip(identifiers, values, strict=True):
-            if identifier in self._reserved:
-                continue  # left the queue for a run since the re-check was sent
             waiter = self._waiters.get(identifier)
             pending = waiter is not None and not waiter.done()
             hold = self._holds.get(identifier)
@@ -670,14 +692,16 @@ class _Semaphore(ABC):
         )
         sent = asyncio.get_running_loop().time()
         requeued, _ = await self._submit("acquire", "wait", dropped)
-        abandoned = []
         for identifier, value in zip(dropped, requeued, strict=True):
             waiter = self._waiters.get(identifier)
             if waiter is None or waiter.done():
-                # Given up while it was being queued again: its own cancel
-                # may have run first, so undo what this step did.
-                abandoned.append(identifier)
-            elif value > 0:
+                # Returned meanwhile: granted (by a message that overtook this
+                # reply), and a holder now; or given up, and its own cancel
+                # undoes what this step did, whichever of the two Redis saw
+                # first (a cancel that came first left a tombstone, which
+                # refused this step).
+                continue
+            if value > 0:
                 self._confirmed[identifier] = (sent, self._timeout)
                 waiter.set_result(value)
             elif value == 0:
@@ -686,8 +710,6 @@ class _Semaphore(ABC):
                 waiter.set_exception(
                     SemaphoreError(f"a waiter of semaphore {self._name!r} was refused", name=self._name)
                 )
-        if abandoned:
-            await self._give_up(*abandoned)
 
     def _lost_before_claim(self, identifier: str) -> None:
         hold = self._holds.get(identifier)
@@ -701,21 +723,78 @@ class _Semaphore(ABC):
             self._drop_hold(hold)
             hold.lose("it was handed over by another process and lost before it was claimed")
 
+    # --- the object's channel -----------------------------------------------------
+
+    @property
+    def _channel(self) -> str:
+        """The pub/sub channel other processes wake this object's waiters on."""
+        return self._keys.channels + self._process
+
+    @property
+    def _listening(self) -> bool:
+        """Whether the object needs its channel now: it has waiters."""
+        return bool(self._waiters)
+
+    def _listen(self) -> None:
+        """Have the channel subscribed, and the pump running, for a waiter just queued.
+
+        The subscription is made in the background, never in a caller's way:
+        a grant published before the server confirmed it went unheard, so
+        the confirmation has the pump look at once.
+        """
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        if not self._subscribed and self._subscribing is None:
+            self._subscribing = asyncio.get_running_loop().create_task(self._subscribe(), name="aiosem subscribe")
+        self._start_pump(wake=False)
+
+    def _unlisten(self) -> None:
+        """The last waiter has gone: the pump ends, and the channel goes unless a waiter comes soon."""
+        self._wake.set()
+        if (self._subscribed or self._subscribing is not None) and self._linger is None:
+            self._linger = asyncio.get_running_loop().call_later(_SUBSCRIPTION_LINGER, self._stop_listening)
+
+    def _stop_listening(self) -> None:
+        self._linger = None
+        if not self._waiters and self._unsubscribing is None:
+            self._unsubscribing = asyncio.get_running_loop().create_task(self._unsubscribe(), name="aiosem unsubscribe")
+
+    def _channel_lost(self) -> None:
+        """The subscriber dropped the channel (its connection failed while the object had no waiter)."""
+        self._subscribed = False
+
     async def _subscribe(self) -> None:
-        if self._subscribed:
-            return
         try:
-            await subscriber_of(self._client).subscribe(self._keys.channels + self._process, self._on_message)
+            if self._unsubscribing is not None:
+                await asyncio.shield(self._unsubscribing)
+            await subscriber_of(self._client).subscribe(self._channel, self)
         except (TimeoutError, redis.RedisError, redis.exceptions.RedisClusterException):
-            if not self._subscribed:
-                # Waiters still get their permits, from the pump's re-checks.
-                logger.warning(
-                    "could not subscribe for %r; waiters will be slower to wake",
-                    self,
-                    exc_info=True,
-                    extra=log_fields(self._name),
-                )
+            # Waiters still get their permits, from the pump's re-checks; the
+            # object tries again once it has had no waiter for a while.
+            logger.warning(
+                "could not subscribe for %r; waiters will be slower to wake",
+                self,
+                exc_info=True,
+                extra=log_fields(self._name),
+            )
+        finally:
+            self._subscribing = None
         self._subscribed = True
+        if self._queued:
+            self._recheck_at = asyncio.get_running_loop().time()
+            self._start_pump()
+
+    async def _unsubscribe(self) -> None:
+        try:
+            if self._subscribing is not None:
+                await asyncio.shield(self._subscribing)
+            if self._waiters:
+                return  # one came meanwhile, and finds the channel subscribed
+            self._subscribed = False
+            await subscriber_of(self._client).unsubscribe(self._channel)
+        finally:
+            self._unsubscribing = None
 
     # --- the interface ---------------------------------------------------------
 
@@ -813,7 +892,8 @@ class _Semaphore(ABC):
             wait = 0.0
         self._bind()
         started = time.monotonic()
-        await check_eviction_policy(self._client, self._keys.base)
+        # In the background: a call's order and its timeout owe nothing to a one-time check.
+        watch_eviction_policy(self._client, self._keys.base)
         taken = await self._wait_for_permit(wait)
         if taken is None:
             emit("timed_out", "semaphore", self._name, time.monotonic() - started)
@@ -830,26 +910,32 @@ class _Semaphore(ABC):
         return taken
 
     async def _wait_for_permit(self, wait: float | None) -> tuple[Permit, float, float] | None:
-        """`_take`, once its arguments are checked."""
+        """`_take`, once its arguments are checked.
+
+        Nothing is awaited before the call joins its lane, so calls are sent
+        -- and queued -- in the order they were made, and the wait in the
+        queue ends ``wait`` seconds after the call, whatever came before.
+        """
         loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
         identifier = f"{self._process}.{secrets.token_hex(8)}"
-        submission = Submission((identifier,))
+        submission: Submission[Reply] = Submission((identifier,))
         waiter: asyncio.Future[int] | None = None
         try:
             if wait != 0:
-                await self._subscribe()
-                waiter = self._waiters[identifier] = asyncio.get_running_loop().create_future()
+                waiter = self._waiters[identifier] = loop.create_future()
                 await self._arrive(identifier)
             sent = loop.time()
             (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
             confirmed = (sent, self._timeout)
+            if waiter is not None:
+                _raise_failure(waiter)  # the object was closed meanwhile: what was granted goes back
             if value == 0 and waiter is not None:
-                if identifier not in self._reserved:  # a run may have taken it from the queue already
-                    self._proven[identifier] = sent
-                    self._queued.add(identifier)
-                self._start_pump(wake=False)  # its next heartbeat proves this waiter alive too
+                self._proven[identifier] = sent
+                self._queued.add(identifier)
+                self._listen()  # the pump's next heartbeat proves this waiter alive too
                 self._recheck_when(reply)
-                value = await _granted_within(waiter, wait)
+                value = await _granted_within(waiter, None if deadline is None else max(0.0, deadline - loop.time()))
                 confirmed = self._confirmed.get(identifier, confirmed)
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
@@ -870,11 +956,15 @@ class _Semaphore(ABC):
             self._proven.pop(identifier, None)
             self._confirmed.pop(identifier, None)
             self._forget(identifier)
+            if waiter is not None:
+                _failure(waiter)  # read: failed by `aclose` for a caller gone meanwhile, it is not news
+            if not self._waiters:
+                self._unlisten()
         if value > 0:
             return Permit(self._name, identifier, value, self._keys.base, time.monotonic()), *confirmed
         if value == LIMIT_MISMATCH:
             # Neither granted nor queued: nothing to give up.
-            stored = await self._client.get(self._keys.limit)
+            stored = await detached(self._client.get(self._keys.limit), name="aiosem limit")
             raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
         if waiter is not None:
             await self._give_up(identifier)
@@ -883,30 +973,29 @@ class _Semaphore(ABC):
     async def _give_up(self, *identifiers: str) -> None:
         """Leave the queue, give back any permit, and refuse a grant still on its way.
 
-        A waiter of a run is not queued in Redis: it just leaves the run. A
-        permit relayed to it is relayed on.
+        A permit relayed to a waiter is relayed on; a waiter of a run that
+        has not had it yet is passed over by the relay, and leaves the queue
+        as any other.
         """
         self._claims.difference_update(identifiers)
         self._claiming.difference_update(identifiers)
-        reserved = self._reserved.intersection(identifiers)
-        self._reserved -= reserved
         relayed = [identifier for identifier in identifiers if identifier in self._relayed]
-        others = [
-            identifier for identifier in identifiers if identifier not in self._relayed and identifier not in reserved
-        ]
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_TIMEOUT):
-            try:
-                for identifier in relayed:
-                    await self._relay(identifier)
-                if others:
-                    await self._submit("release", "cancel", others)
-            except Exception:
-                logger.warning(
-                    "could not give back what an interrupted acquire of %r took",
-                    self,
-                    exc_info=True,
-                    extra=log_fields(self._name),
-                )
+        others = [identifier for identifier in identifiers if identifier not in self._relayed]
+        try:
+            await to_the_end(self._hand_back(relayed, others), name=f"giving back what an acquire of {self!r} took")
+        except Exception:
+            logger.warning(
+                "could not give back what an interrupted acquire of %r took",
+                self,
+                exc_info=True,
+                extra=log_fields(self._name),
+            )
+
+    async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
+        for identifier in relayed:
+            await self._relay(identifier)
+        if others:
+            await self._submit("release", "cancel", others)
 
     async def _relay(self, identifier: str) -> bool:
         """Give up a relayed mutex: to the next waiter of its run at once, else to the queue; ``True`` if it was held.
@@ -917,7 +1006,8 @@ class _Semaphore(ABC):
         run and the rest of the holder's lease, restarted when the pass
         lands. It is told if the pass finds the permit gone. A holder whose
         lease may have run out passes nothing: Redis may have reaped the
-        permit and handed it to the queue, and the run queues again, last.
+        permit and handed it to the head of the queue, where the run's
+        waiters still are, in their places.
         """
         loop = asyncio.get_running_loop()
         lease_from, lease = self._relayed.pop(identifier)
@@ -925,7 +1015,6 @@ class _Semaphore(ABC):
         successor, token = "", 0
         while run and loop.time() < lease_from + lease:
             candidate, candidate_token = run.pop(0)
-            self._reserved.discard(candidate)
             waiter = self._waiters.get(candidate)
             if waiter is not None and not waiter.done():
                 successor, token = candidate, candidate_token
@@ -936,18 +1025,15 @@ class _Semaphore(ABC):
                 waiter.set_result(token)
                 self._watch_runs()
                 break
-        if not successor:
-            self._strand(run)
         sent = loop.time()
         try:
             values, _ = await self._submit("release", "pass", (identifier, successor, str(token) if token else ""))
         finally:
             self._passing.discard(successor)
-        if successor:
-            if values[1] > 0:
-                self._confirm_relayed(successor, sent)
-            else:
-                self._relay_lost(successor)
+        if successor and values[1] > 0:
+            self._confirm_relayed(successor, sent)
+        elif successor:
+            self._relay_lost(successor)
         return values[0] == 1
 
     def _confirm_relayed(self, identifier: str, sent: float) -> None:
@@ -961,10 +1047,10 @@ class _Semaphore(ABC):
             hold.confirm(sent, self._timeout)
 
     def _relay_lost(self, identifier: str) -> None:
-        """A pass found the permit relayed to ``identifier`` gone: it holds nothing, and its run queues again."""
+        """A pass found the permit relayed to ``identifier`` gone: it holds nothing, and its run ends."""
         if self._relayed.pop(identifier, None) is None:
             return  # relayed on already: that pass found it gone too
-        self._strand(self._runs.pop(identifier, []))
+        self._end_run(self._runs.pop(identifier, []))
         hold = self._holds.get(identifier)
         if hold is not None:
             self._drop_hold(hold)
@@ -982,24 +1068,21 @@ class _Semaphore(ABC):
             self._run_timer = asyncio.get_running_loop().call_at(at, self._check_runs)
 
     def _check_runs(self) -> None:
-        """Queue again the runs whose holder's lease may have run out: Redis may have reaped it, and will not tell."""
+        """End the runs whose holder's lease may have run out: Redis may have reaped it, and will not tell."""
         self._run_timer = None
         now = asyncio.get_running_loop().time()
         for holder in list(self._runs):
             if self._lease_end(holder) <= now:
-                self._strand(self._runs.pop(holder))
+                self._end_run(self._runs.pop(holder))
         self._watch_runs()
 
-    def _strand(self, run: Sequence[tuple[str, int]]) -> None:
-        """Queue again, last, the waiters of a run the permit cannot reach: the pump finds them gone from the queue."""
-        stranded = []
-        for identifier, _ in run:
-            self._reserved.discard(identifier)
-            waiter = self._waiters.get(identifier)
-            if waiter is not None and not waiter.done():
-                stranded.append(identifier)
-        if stranded:
-            self._queued.update(stranded)
+    def _end_run(self, run: Sequence[tuple[str, int]]) -> None:
+        """Stop relaying to ``run``, whose waiters the permit may not reach: ask Redis at once who holds now.
+
+        They are queued in Redis still, in their places, and Redis hands
+        the permit on to the first of them when it frees.
+        """
+        if any(identifier in self._queued for identifier, _ in run):
             self._recheck_at = asyncio.get_running_loop().time()
             self._start_pump()
 
@@ -1175,9 +1258,12 @@ class _Semaphore(ABC):
         Raises:
             redis.RedisError: Giving back the permits failed (they end with
                 their leases).
+            TimeoutError: Closing took longer than 5 s (it goes on in the
+                background).
 
         Cancellation:
-            Shielded, and bounded to 5 s.
+            Held off until closing is done, for up to 5 s: a cancelled
+            `aclose` still closes, then raises the cancellation.
         """
         if self._loop is None or self._loop is not asyncio.get_running_loop():
             return
@@ -1190,34 +1276,51 @@ class _Semaphore(ABC):
                 waiter.set_exception(SemaphoreError(f"semaphore {self._name!r} was closed", name=self._name))
         # The runs' waiters failed above: nothing is relayed to them any more.
         self._runs.clear()
-        self._reserved.clear()
         if self._run_timer is not None:
             self._run_timer.cancel()
             self._run_timer = None
-        pump = self._pump
-        with anyio.CancelScope(shield=True), anyio.fail_after(_CLEANUP_TIMEOUT):
-            if pump is not None:
-                pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
-            if self._subscribed:
-                self._subscribed = False
-                await subscriber_of(self._client).unsubscribe(self._keys.channels + self._process)
-            if holds:
-                # A relayed permit goes by the same lane as the passes that gave it.
-                relayed = [hold for hold in holds if hold.permit.identifier in self._relayed]
-                plain = [hold for hold in holds if hold.permit.identifier not in self._relayed]
-                for hold in relayed:
-                    del self._relayed[hold.permit.identifier]
-                outcomes: list[tuple[Hold, int]] = []
-                if plain:
-                    values, _ = await self._submit("release", "release", [hold.permit.identifier for hold in plain])
-                    outcomes += zip(plain, values, strict=True)
-                if relayed:
-                    passes = [part for hold in relayed for part in (hold.permit.identifier, "", "")]
-                    values, _ = await self._submit("release", "pass", passes)
-                    outcomes += zip(relayed, values[::3], strict=True)
-                for hold, value in outcomes:
-                    emit_permit("released" if value == 1 else "lost", hold.permit)
+        # Before the first await: the waiters failed above, ending, must find
+        # the channel let go of already, and schedule nothing.
+        subscribed = self._subscribed or self._subscribing is not None or self._unsubscribing is not None
+        background = self._stop_background()
+        await to_the_end(self._finish_closing(holds, background, subscribed=subscribed), name=f"closing {self!r}")
+
+    async def _finish_closing(
+        self, holds: list[Hold], background: list[asyncio.Task[None]], *, subscribed: bool
+    ) -> None:
+        """The part of `aclose` that waits: background work ended, the channel unsubscribed, ``holds`` released."""
+        await asyncio.gather(*background, return_exceptions=True)
+        if subscribed:
+            await subscriber_of(self._client).unsubscribe(self._channel)
+        if not holds:
+            return
+        # A relayed permit goes by the same lane as the passes that gave it.
+        relayed = [hold for hold in holds if hold.permit.identifier in self._relayed]
+        plain = [hold for hold in holds if hold.permit.identifier not in self._relayed]
+        for hold in relayed:
+            del self._relayed[hold.permit.identifier]
+        outcomes: list[tuple[Hold, int]] = []
+        if plain:
+            values, _ = await self._submit("release", "release", [hold.permit.identifier for hold in plain])
+            outcomes += zip(plain, values, strict=True)
+        if relayed:
+            passes = [part for hold in relayed for part in (hold.permit.identifier, "", "")]
+            values, _ = await self._submit("release", "pass", passes)
+            outcomes += zip(relayed, values[::3], strict=True)
+        for hold, value in outcomes:
+            emit_permit("released" if value == 1 else "lost", hold.permit)
+
+    def _stop_background(self) -> list[asyncio.Task[None]]:
+        """Cancel the pump and the channel's tasks and timer; return the tasks, to wait for."""
+        background = [task for task in (self._pump, self._subscribing, self._unsubscribing) if task is not None]
+        for task in background:
+            task.cancel()
+        self._subscribed = False
+        self._subscribing = self._unsubscribing = None
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        return background
 
     async def count(self) -> int:
         """Return how many permits are held now, in all processes.
@@ -1255,12 +1358,15 @@ class _Semaphore(ABC):
             redis.RedisError: Redis failed or could not be reached.
         """
         keys = self._keys
-        leases, owners, time = await transaction(
-            self._client,
-            keys.base,
-            ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-            ("ZRANGE", keys.owner_set, 0, -1),
-            ("TIME",),
+        leases, owners, time = await detached(
+            transaction(
+                self._client,
+                keys.base,
+                ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+                ("ZRANGE", keys.owner_set, 0, -1),
+                ("TIME",),
+            ),
+            name="aiosem holders",
         )
         now = self._now()
         if now is None:
@@ -1293,20 +1399,18 @@ class _Semaphore(ABC):
         """
         if lost is not None:
             return lost
-        with anyio.CancelScope(shield=True):
-            try:
-                with anyio.fail_after(_CLEANUP_TIMEOUT):
-                    released = await self.release(permit)
-            except Exception:
-                if exc is None:
-                    raise
-                logger.warning(
-                    "releasing %s failed after its holder raised",
-                    permit,
-                    exc_info=True,
-                    extra=log_fields(permit.name, permit.identifier),
-                )
-                return None  # nothing more is known than before
+        try:
+            released = await to_the_end(self.release(permit), name=f"the release of {permit}")
+        except Exception:
+            if exc is None:
+                raise
+            logger.warning(
+                "releasing %s failed after its holder raised",
+                permit,
+                exc_info=True,
+                extra=log_fields(permit.name, permit.identifier),
+            )
+            return None  # nothing more is known than before
         if released:
             return None
         emit_permit("lost", permit)

@@ -10,7 +10,12 @@ for a float is merely too large.
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+import redis.asyncio
+
+if TYPE_CHECKING:
+    from ._connection import Client
 
 #: The longest duration accepted: Redis keeps millisecond TTLs in 64 bits,
 #: and no lease, lock or wait is meant to outlive its application.
@@ -21,6 +26,16 @@ SHORTEST: Final = 0.001
 #: The largest limit: the scripts count in doubles, exact up to 2**53, and
 #: write a limit beyond 10**16 in a form the other clients cannot read.
 MOST_LIMIT: Final = 2**53
+
+
+def check_client(value: object) -> Client:
+    """An asyncio client of redis-py, of one server (or Sentinel's master) or of a cluster."""
+    if not isinstance(value, (redis.asyncio.Redis, redis.asyncio.RedisCluster)):
+        raise TypeError(
+            f"client must be a redis.asyncio.Redis or RedisCluster (aiosem is asyncio-only), not "
+            f"{type(value).__module__}.{type(value).__qualname__}"
+        )
+    return value
 
 
 def _shown(value: object) -> str:

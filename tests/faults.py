@@ -30,8 +30,7 @@ import redis
 import redis.asyncio
 
 from aiosem import AcquireTimeout, PermitLost, SemaphoreError
-from aiosem._coordination import _SUBSCRIBE_TIMEOUT
-from aiosem._semaphore import _CLEANUP_TIMEOUT
+from aiosem._coordination import _SUBSCRIBE_TIMEOUT, CLEANUP_TIMEOUT
 from aiosem._timing import SHORTEST_STEP_BOUND
 from tests.support import RedisServer
 
@@ -89,7 +88,7 @@ def acquire_bound(semaphore: Semaphore, blocking_timeout: float, *, subscribed: 
     step may have taken.
     """
     subscribing = 0.0 if subscribed else _SUBSCRIBE_TIMEOUT
-    return blocking_timeout + subscribing + step_bound(semaphore) + _CLEANUP_TIMEOUT
+    return blocking_timeout + subscribing + step_bound(semaphore) + CLEANUP_TIMEOUT
 
 
 @contextlib.asynccontextmanager

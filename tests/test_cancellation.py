@@ -20,8 +20,9 @@ import anyio
 import pytest
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, _connection
 from aiosem._timing import SHORTEST_STEP_BOUND
+from aiosem._urls import close, connect
 from tests.proxy import TcpProxy
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
+    from aiosem._semaphore import Reply
     from tests.support import RedisServer
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
@@ -95,7 +97,16 @@ def expire(scope: anyio.CancelScope) -> None:
 
 
 async def warm_up(sem: Semaphore) -> None:
-    """One acquire and release: subscribed, scripts loaded, one connection in the pool."""
+    """Acquires and releases: scripts loaded, the eviction policy looked at, one connection in the pool."""
+    permit = await sem.acquire()
+    assert permit is not None
+    assert await sem.release(permit)
+    with anyio.fail_after(WAIT):
+        while _connection._policy_checks:  # noqa: ASYNC110 -- a one-time check in the background, on a connection of its own
+            await asyncio.sleep(0.01)
+    client = sem._client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.connection_pool.disconnect()
     permit = await sem.acquire()
     assert permit is not None
     assert await sem.release(permit)
@@ -196,36 +207,40 @@ async def test_an_acquire_that_arrives_after_its_cancellation_takes_nothing(
 
     assert acquiring.cancelled()
     assert await direct.zcard(tombstones) == 1  # the cleanup overtook the acquire
-    closed = proxy.closed
     proxy.release_requests()
-    with anyio.fail_after(WAIT):
-        # The held acquire reaches Redis, then the end of its dropped connection.
-        await proxy.wait_until(lambda: proxy.closed > closed)
+
+    async def tombstone_met() -> bool:
+        # The held acquire reaches Redis, meets the tombstone and removes it
+        # (a locked step's EXEC, which watched the lock, aborts first, and its
+        # retry reads the tombstone).
+        return await direct.exists(tombstones) == 0
+
+    await until(tombstone_met)
     assert await direct.zcard(f"{sem.key}:owner") == 0
-    if cls is AsyncFairSemaphore:
-        assert await direct.exists(tombstones) == 0  # the late script met it, and removed it
-        await assert_nothing_left(sem, direct)
-    else:
-        # The late EXEC watched the lock its cancelled step held, so it aborted
-        # without reading the tombstone, which expires by itself.
-        await assert_nothing_left(sem, direct, tombstones=True)
+    await assert_nothing_left(sem, direct)
 
 
 async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(
-    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis
+    cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sem = cls(proxied, "sem", 1)
     holder = await sem.acquire()
     assert holder is not None
     first = asyncio.create_task(sem.acquire())
     await until_queued(sem, 1)
+    (first_identifier,) = sem._waiters
     second = asyncio.create_task(sem.acquire())
     await until_queued(sem, 2)
+    observe = cls._observe
 
-    assert await sem.release(holder)
-    # The release's own reply handed `first` the permit; `first` has not run since.
-    assert sum(waiter.done() for waiter in sem._waiters.values()) == 1
-    first.cancel()
+    def cancel_first_on_its_grant(self: Semaphore, reply: Reply, sent: float) -> None:
+        observe(self, reply, sent)
+        if first_identifier in dict(reply.granted):
+            assert self._waiters[first_identifier].done()  # granted, and `first` has not run since
+            first.cancel()
+
+    monkeypatch.setattr(cls, "_observe", cancel_first_on_its_grant)
+    assert await sem.release(holder)  # its own reply hands `first` the permit
     with anyio.fail_after(WAIT):
         permit = await second
 
@@ -293,6 +308,134 @@ async def test_an_acquire_cancelled_while_subscribing_does_not_stall_the_others(
     assert cancelled.cancelled()
     assert await sem.release(permit)
     await assert_nothing_left(sem, direct)
+
+
+# --- a cancellation at every point, with clients as users make them ----------------------------------
+#
+# redis-py wraps its socket writes and reads in `asyncio.wait_for` whenever the
+# client has a socket timeout -- redis-py 8's default client does, and so does
+# every client `aiosem.configure` makes -- and on Python 3.10 and 3.11 that
+# `wait_for` returns the result of a write that completed as its caller was
+# cancelled, swallowing the cancellation. Each test below cancels a call after
+# every number of event-loop turns from 0 up to past its end: a call that was
+# still running when it was cancelled must raise `CancelledError` and leave
+# nothing behind, wherever the cancellation landed.
+
+#: Loop turns after which a call is cancelled: from its start to well past its end.
+CANCEL_AFTER = range(48)
+#: The lease of the sweeps: longer than any of them takes.
+SWEEP_LEASE = 300.0
+
+
+@pytest.fixture(params=["default", "configured"])
+async def users_client(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of the session's emptied server as users make one: redis-py's defaults, or `aiosem.configure`'s."""
+    admin = redis_server.admin_client()
+    await admin.flushdb()
+    await admin.aclose()
+    client = redis_server.client() if request.param == "default" else connect(redis_server.url)
+    assert isinstance(client, redis.asyncio.Redis)
+    assert client.connection_pool.connection_kwargs["socket_timeout"]  # the condition the tests are about
+    yield client
+    await close(client)
+
+
+async def cancelled_after(turns: int, call: Awaitable[object]) -> tuple[bool, object]:
+    """Run ``call`` as a task and cancel it after ``turns`` loop turns.
+
+    Returns whether the call was still running when cancelled, and what it
+    returned or raised (the `CancelledError` included).
+    """
+    task = asyncio.ensure_future(call)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    running = task.cancel()
+    try:
+        with anyio.fail_after(WAIT):
+            return running, await asyncio.shield(task)
+    except BaseException as error:  # the outcome is what the test looks at
+        if not task.done():
+            raise
+        return running, error
+
+
+def assert_cancelled(running: bool, outcome: object, turns: int) -> None:
+    """A call still running when cancelled raised `CancelledError`."""
+    if running:
+        assert isinstance(outcome, asyncio.CancelledError), f"cancelled after {turns} turns, the call gave {outcome!r}"
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["free", "contended"])
+async def test_a_cancelled_acquire_raises_and_leaves_nothing_wherever_it_lands(
+    cls: SemaphoreClass, users_client: redis.asyncio.Redis, direct: redis.asyncio.Redis, contended: bool
+) -> None:
+    # A lease far longer than the test, which keeps the holder's permit unrefreshed.
+    holder_sem = cls(direct, "sweep", 1, timeout=SWEEP_LEASE)
+    holder = await holder_sem.acquire() if contended else None
+    for turns in CANCEL_AFTER:
+        sem = cls(users_client, "sweep", 1, timeout=SWEEP_LEASE)  # fresh each time: the first call is where order broke
+        running, outcome = await cancelled_after(turns, sem.acquire())
+        assert_cancelled(running, outcome, turns)
+        if isinstance(outcome, Permit):
+            assert await sem.release(outcome)
+        assert await sem.waiting() == 0
+        assert await sem.count() == (1 if contended else 0)
+        await sem.aclose()
+    if holder is not None:
+        assert await holder_sem.release(holder)
+    await holder_sem.aclose()
+    await assert_nothing_left(holder_sem, direct, tombstones=True)
+
+
+async def test_a_cancelled_async_with_raises_and_leaves_nothing_wherever_it_lands(
+    cls: SemaphoreClass, users_client: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    entered: list[int] = []
+
+    async def body(sem: Semaphore, turns: int) -> None:
+        async with sem:
+            entered.append(turns)
+            await asyncio.sleep(0)
+
+    for turns in CANCEL_AFTER:
+        sem = cls(users_client, "sweep-with", 1)
+        running, outcome = await cancelled_after(turns, body(sem, turns))
+        assert_cancelled(running, outcome, turns)
+        assert (await sem.count(), await sem.waiting()) == (0, 0), f"cancelled after {turns} turns"
+        await sem.aclose()
+    await assert_nothing_left(cls(direct, "sweep-with", 1), direct, tombstones=True)
+
+
+async def test_a_cancelled_rate_limited_call_raises_wherever_it_lands(users_client: redis.asyncio.Redis) -> None:
+    for turns in CANCEL_AFTER:
+        limiter = AsyncRateLimiter(users_client, f"sweep-rate-{turns}", 1000)
+        running, outcome = await cancelled_after(turns, limiter.acquire())
+        assert_cancelled(running, outcome, turns)
+
+
+async def test_asyncio_timeout_fires_around_an_acquire_wherever_it_lands(
+    cls: SemaphoreClass, users_client: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("asyncio.timeout is new in Python 3.11")
+    holder_sem = cls(direct, "sweep-timeout", 1, timeout=SWEEP_LEASE)
+    holder = await holder_sem.acquire()
+    assert holder is not None
+    timeouts = 0
+    for microseconds in range(0, 3000, 100):
+        sem = cls(users_client, "sweep-timeout", 1, timeout=SWEEP_LEASE)
+        try:
+            async with asyncio.timeout(microseconds / 1_000_000):  # type: ignore[attr-defined,unused-ignore]
+                permit = await sem.acquire()
+        except TimeoutError:
+            timeouts += 1
+        else:
+            raise AssertionError(f"an acquire granted {permit!r} while the only permit was held")
+        assert await sem.waiting() == 0
+        await sem.aclose()
+    assert timeouts == 30
+    assert await holder_sem.release(holder)
+    await holder_sem.aclose()
 
 
 # --- the ways a caller gives up ---------------------------------------------------------

@@ -28,8 +28,8 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, PermitLost
+from aiosem._coordination import CLEANUP_TIMEOUT
 from aiosem._scripts import FAIR_RELEASE
-from aiosem._semaphore import _CLEANUP_TIMEOUT
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import connect
 from tests.faults import (
@@ -150,7 +150,7 @@ async def test_an_empty_restart_costs_the_old_holders_their_permits_within_a_ref
         assert attempt.body_ended - restarting <= REFRESH + MARGIN
     assert all(start >= stopped and end - start <= REFRESH + MARGIN for start, end in load.overlaps)
     assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE, subscribed=False) + MARGIN
-    assert load.longest_exit() <= _CLEANUP_TIMEOUT + MARGIN
+    assert load.longest_exit() <= CLEANUP_TIMEOUT + MARGIN
     old_tokens = [attempt.token or 0 for attempt in old]
     new_tokens = [attempt.token or 0 for attempt in load.granted_after(restarting)]
     report(

@@ -1,8 +1,8 @@
 """How a `Lane` coalesces the concurrent steps of one kind.
 
 The lane is pure coordination, so most of these tests drive it with a step
-that records its batches and finishes when the test says; the last ones
-count the scripts real semaphores send to a real server.
+that records its batches and finishes when the test says; the last one
+counts the scripts real semaphores send to a real server.
 """
 
 from __future__ import annotations
@@ -52,40 +52,28 @@ class Recorder:
 
 
 async def submit(lane: Lane[Result], *identifiers: str) -> Sequence[int]:
-    values, _ = await lane.submit(Submission(identifiers))
+    submission: Submission[Result] = Submission(identifiers)
+    values, _ = await lane.submit(submission)
     return values
 
 
-async def crowded_lane(recorder: Recorder) -> Lane[Result]:
-    """A lane whose last batch carried two calls: "1" alone, then "2" and "3", made while "1" was in flight."""
-    recorder.gate = asyncio.Event()
-    lane = Lane(recorder.run)
-    first = asyncio.create_task(submit(lane, "1"))
-    await asyncio.wait_for(recorder.started.wait(), SETTLE)
-    crowd = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3)]
-    await asyncio.sleep(0)
-    recorder.gate.set()
-    await asyncio.wait_for(asyncio.gather(first, *crowd), SETTLE)
-    return lane
-
-
-async def test_an_uncontended_call_runs_at_once_in_the_callers_task() -> None:
+async def test_a_batch_runs_in_the_lanes_own_task_never_in_a_callers() -> None:
     recorder = Recorder()
     lane = Lane(recorder.run)
     caller = asyncio.current_task()
     assert await submit(lane, "1") == (1,)
     assert await submit(lane, "2", "3") == (2, 3)
     assert recorder.batches == [["1"], ["2", "3"]]
-    assert recorder.tasks == [caller, caller]
+    assert all(task is not None and task is not caller for task in recorder.tasks)
 
 
 async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> None:
     recorder = Recorder()
     recorder.gate = asyncio.Event()
     lane = Lane(recorder.run)
+    before = asyncio.get_running_loop().time()
     first = asyncio.create_task(submit(lane, "1"))
     await asyncio.wait_for(recorder.started.wait(), SETTLE)
-    before = asyncio.get_running_loop().time()
     others = [asyncio.create_task(submit(lane, str(n))) for n in (2, 3, 4)]
     await asyncio.sleep(0)
     assert recorder.batches == [["1"]]
@@ -93,37 +81,40 @@ async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> No
     results = await asyncio.wait_for(asyncio.gather(first, *others), SETTLE)
     assert results == [(1,), (2,), (3,), (4,)]
     assert recorder.batches == [["1"], ["2", "3", "4"]]
-    # The first went at once; the batch after it says since when its calls waited, so their bound counts from then.
+    # Each batch says since when its calls waited, so that their bound counts from their calls.
     first_since, then_since = recorder.since
-    assert first_since is None
+    assert first_since is not None
     assert then_since is not None
-    assert before <= then_since <= asyncio.get_running_loop().time()
+    assert before <= first_since <= then_since <= asyncio.get_running_loop().time()
 
 
-async def test_once_crowded_the_calls_of_one_turn_go_in_one_batch() -> None:
+async def test_the_calls_of_one_turn_go_in_one_batch() -> None:
     recorder = Recorder()
-    lane = await crowded_lane(recorder)
+    lane = Lane(recorder.run)
     # Woken together, as a reply wakes its callers: not the first alone and the rest after it.
     together = [asyncio.create_task(submit(lane, str(n))) for n in (5, 6, 7)]
     assert await asyncio.wait_for(asyncio.gather(*together), SETTLE) == [(5,), (6,), (7,)]
-    assert recorder.batches == [["1"], ["2", "3"], ["5", "6", "7"]]
+    assert recorder.batches == [["5", "6", "7"]]
 
 
-async def test_a_lone_call_after_a_crowd_makes_the_next_one_run_at_once_again() -> None:
+async def test_batches_go_in_the_order_their_calls_were_made() -> None:
     recorder = Recorder()
-    lane = await crowded_lane(recorder)
-    caller = asyncio.current_task()
-    assert await submit(lane, "4") == (4,)  # alone: the crowd has gone
-    assert await submit(lane, "5") == (5,)
-    assert recorder.batches[-2:] == [["4"], ["5"]]
-    assert recorder.tasks[-2] is not caller
-    assert recorder.tasks[-1] is caller
+    recorder.gate = asyncio.Event()
+    lane = Lane(recorder.run)
+    calls = []
+    for n in range(6):
+        calls.append(asyncio.create_task(submit(lane, str(n))))
+        for _ in range(n):  # arrivals spread over the turns of the first batch
+            await asyncio.sleep(0)
+    recorder.gate.set()
+    await asyncio.wait_for(asyncio.gather(*calls), SETTLE)
+    assert [identifier for batch in recorder.batches for identifier in batch] == [str(n) for n in range(6)]
 
 
-async def test_a_call_cancelled_before_its_crowded_batch_starts_is_left_out_and_not_sent() -> None:
+async def test_a_call_cancelled_before_its_batch_starts_is_left_out_and_not_sent() -> None:
     recorder = Recorder()
-    lane = await crowded_lane(recorder)
-    cancelled = Submission(("8",))
+    lane = Lane(recorder.run)
+    cancelled: Submission[Result] = Submission(("8",))
     doomed = asyncio.create_task(lane.submit(cancelled))
     kept = asyncio.create_task(submit(lane, "9"))
     await asyncio.sleep(0)  # both are waiting for the batch that starts next turn
@@ -132,7 +123,26 @@ async def test_a_call_cancelled_before_its_crowded_batch_starts_is_left_out_and_
     with pytest.raises(asyncio.CancelledError):
         await doomed
     assert not cancelled.sent
-    assert recorder.batches[-1] == ["9"]
+    assert recorder.batches == [["9"]]
+
+
+async def test_a_caller_cancelled_while_its_batch_runs_raises_at_once_and_can_read_what_the_step_did() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    lane = Lane(recorder.run)
+    submission: Submission[Result] = Submission(("4",))
+    caller = asyncio.create_task(lane.submit(submission))
+    await asyncio.wait_for(recorder.started.wait(), SETTLE)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, SETTLE)  # at once: the batch is still held at its gate
+    assert submission.sent
+    assert submission.outcome is not None
+    assert not submission.outcome.done()
+    recorder.gate.set()
+    values, result = await asyncio.wait_for(submission.outcome, SETTLE)
+    assert values == (4,)
+    assert result == Result((4,))
 
 
 async def test_a_failing_batch_fails_every_call_in_it_and_the_lane_goes_on() -> None:

@@ -1,11 +1,13 @@
 """A mutex relayed through a run of one object's waiters.
 
 When `AsyncFairSemaphore` with limit 1 hands its permit to one of an
-object's own waiters, the same step takes the object's waiters queued right
-behind it out of the queue, with their fencing tokens: the object then
-passes the permit from each to the next at once, and tells Redis after. Each
-test uses objects of its own on the session's real server; two objects stand
-for two processes (each has its own identity in Redis).
+object's own waiters, the same step gives the object's waiters queued right
+behind it their fencing tokens: the object then passes the permit from each
+to the next at once, and tells Redis after. They stay queued in Redis until
+a pass reaches them, so that a permit the object does not pass on goes to
+them from the queue all the same. Each test uses objects of its own on the
+session's real server; two objects stand for two processes (each has its
+own identity in Redis).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         assert warm is not None
         await sem.release(warm)
         relayed, (behind,) = await relayed_to_head(sem, sem.acquire())
-        assert sem._runs  # the step that granted it took the waiter behind out of the queue
+        assert sem._runs  # the step that granted it made the waiter behind its run
+        assert await sem.waiting() == 1  # queued still, in its place
 
         proxy.hold_replies(after=FAIR_RELEASE.sha.encode())
         releasing = asyncio.create_task(sem.release(relayed))
@@ -146,7 +149,7 @@ async def test_a_waiter_of_a_run_that_gives_up_is_passed_over(real_client: redis
     assert permit is not None
     assert await sem.release(permit)
     await assert_idle(sem)
-    # The waiter that gave up was no longer queued in Redis: nothing was sent for it.
+    # The waiter that gave up left the queue: no tombstone was needed for it.
     assert await real_client.zcard(f"{sem.key}:cancelled") == 0
 
 
@@ -169,7 +172,9 @@ async def test_a_waiter_cancelled_once_the_permit_was_relayed_to_it_relays_it_on
     await assert_idle(sem)
 
 
-async def test_a_run_whose_holder_lets_its_lease_run_out_queues_again(real_client: redis.asyncio.Redis) -> None:
+async def test_a_run_whose_holder_lets_its_lease_run_out_is_served_from_the_queue(
+    real_client: redis.asyncio.Redis,
+) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-lapsed", 1, timeout=1.0)
     forgotten, (behind,) = await relayed_to_head(sem, sem.acquire())  # held, never refreshed, never released
     with anyio.fail_after(BOUND):
@@ -182,7 +187,28 @@ async def test_a_run_whose_holder_lets_its_lease_run_out_queues_again(real_clien
     await assert_idle(sem)
 
 
-async def test_a_relay_that_finds_the_permit_gone_tells_its_new_holder(real_client: redis.asyncio.Redis) -> None:
+async def test_a_relay_whose_holder_lost_its_permit_still_serves_the_next_waiter(
+    real_client: redis.asyncio.Redis,
+) -> None:
+    sem = AsyncFairSemaphore(real_client, "relay-holder-gone", 1)
+    entered = asyncio.Event()
+
+    async def hold_it() -> None:
+        async with sem:
+            entered.set()
+
+    relayed, (body,) = await relayed_to_head(sem, hold_it())
+    await real_client.zrem(f"{sem.key}:owner", relayed.identifier)  # lost in Redis, say by eviction
+    assert not await sem.release(relayed)
+    with anyio.fail_after(BOUND):
+        await entered.wait()
+        await body  # no PermitLost: the freed permit went to the queue's head, the next waiter
+    await assert_idle(sem)
+
+
+async def test_a_relay_that_finds_the_next_waiter_gone_from_the_queue_tells_it(
+    real_client: redis.asyncio.Redis,
+) -> None:
     sem = AsyncFairSemaphore(real_client, "relay-gone", 1)
     entered = asyncio.Event()
     outcome: list[BaseException] = []
@@ -196,7 +222,11 @@ async def test_a_relay_that_finds_the_permit_gone_tells_its_new_holder(real_clie
             outcome.append(error)
 
     relayed, (body,) = await relayed_to_head(sem, hold_it())
-    await real_client.zrem(f"{sem.key}:owner", relayed.identifier)  # lost in Redis, say by eviction
+    (successor,) = sem._runs[relayed.identifier]
+    # Presumed dead in Redis (a process stalled past its waiter timeout, say), and its holder's permit lost.
+    await real_client.zrem(f"{sem.key}:queue", successor[0])
+    await real_client.zrem(f"{sem.key}:waiters", successor[0])
+    await real_client.zrem(f"{sem.key}:owner", relayed.identifier)
     assert not await sem.release(relayed)
     with anyio.fail_after(BOUND):
         await entered.wait()

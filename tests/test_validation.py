@@ -9,16 +9,15 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import pytest
+import redis
+import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, recipes
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, recipes
 from tests.support import unrestricted
-
-if TYPE_CHECKING:
-    import redis.asyncio
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
@@ -108,6 +107,33 @@ async def test_a_bad_constructor_argument_is_refused(
     arguments: dict[str, Any] = {"name": "sem", "limit": 2, **bad}
     with pytest.raises(error, match=f"^{message}$"):
         cls(client, **arguments)
+    await assert_untouched(client)
+
+
+def not_an_asyncio_client(kind: str) -> object:
+    """What a user may pass where an asyncio client belongs."""
+    if kind == "synchronous":
+        return redis.Redis()  # never connected: construction must refuse it first
+    return {"none": None, "url": "redis://localhost:6379/0"}[kind]
+
+
+@pytest.mark.parametrize("kind", ["none", "synchronous", "url"])
+@pytest.mark.parametrize("public", [AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter])
+def test_a_client_that_is_not_an_asyncio_client_is_refused_at_construction(
+    public: type[AsyncFairSemaphore | AsyncLockedSemaphore | AsyncRateLimiter], kind: str
+) -> None:
+    client = not_an_asyncio_client(kind)
+    with pytest.raises(TypeError, match=r"^client must be a redis\.asyncio\.Redis or RedisCluster .*, not "):
+        public(client, "sem", 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("public", [AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter])
+async def test_an_unknown_keyword_is_refused_in_the_public_class_name(
+    public: type[AsyncFairSemaphore | AsyncLockedSemaphore | AsyncRateLimiter], client: redis.asyncio.Redis
+) -> None:
+    message = rf"^{public.__name__}\.__init__\(\) got an unexpected keyword argument 'loop'$"
+    with pytest.raises(TypeError, match=message):
+        public(client, "sem", 1, loop=None)  # type: ignore[call-arg]
     await assert_untouched(client)
 
 

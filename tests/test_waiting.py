@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, SemaphoreStatistics, recipes
-from aiosem._scripts import FAIR_REFRESH
+from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
+from tests.faults import proxied_client
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -387,3 +388,57 @@ async def test_the_queue_keys_outlive_the_waiter_with_the_longest_waiter_timeout
         for suffix in ("queue", "waiters", "tickets"):
             assert 20_000 < await client.pttl(f"{holder_side.key}:{suffix}") <= 21_000, suffix
         tasks.cancel_scope.cancel()
+
+
+async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
+    redis_server: RedisServer, proxy: TcpProxy, admin_client: redis.asyncio.Redis
+) -> None:
+    # The queue forgot a waiter (its keys evicted, say): its object queues it
+    # again -- and, that step's reply still on its way, another process hands
+    # it the freed permit by message. The reply then finds the waiter holding:
+    # the permit is its own, not an abandoned grant to give back. (The fair
+    # class: a Lua-free step holds its lock meanwhile, and nobody could hand
+    # anything over.)
+    await admin_client.flushdb()
+    client = proxied_client(proxy, redis_server)
+    other = AsyncFairSemaphore(admin_client, "requeued", 1, waiter_timeout=0.3)
+    sem = AsyncFairSemaphore(client, "requeued", 1, waiter_timeout=0.3)
+    entered, leave = anyio.Event(), anyio.Event()
+    lost: list[BaseException] = []
+
+    async def hold() -> None:
+        try:
+            async with sem:
+                entered.set()
+                await leave.wait()
+        except BaseException as error:
+            lost.append(error)
+            raise
+
+    try:
+        warm = await sem.acquire()  # the scripts are loaded: no NOSCRIPT is held below
+        assert warm is not None
+        assert await sem.release(warm)
+        holder = await other.acquire()
+        assert holder is not None
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(hold)
+                await wait_until_queued(other, 1)
+                proxy.hold_replies(after=FAIR_ACQUIRE.sha.encode())  # the queueing again, answered late
+                await admin_client.delete(f"{sem.key}:queue", f"{sem.key}:waiters")
+                await wait_until_queued(other, 1)  # queued again by the next heartbeat's re-check
+                assert await other.release(holder)  # handed over, by message
+                await entered.wait()
+                proxy.release_replies()
+                await anyio.sleep(0.3)  # the reply is read, and the pump's next round runs
+                assert await other.count() == 1
+                assert await other.acquire(blocking=False) is None
+                leave.set()
+        assert not lost
+        assert await other.count() == 0
+    finally:
+        proxy.release_replies()
+        await sem.aclose()
+        await other.aclose()
+        await client.aclose()

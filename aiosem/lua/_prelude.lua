@@ -172,12 +172,15 @@ end
 local RUN_LENGTH = 64
 
 -- A mutex just handed to one of the caller's own waiters is relayed, too, to
--- the caller's waiters queued right behind it: they leave the queue with
--- their fencing tokens, one after another, and the caller passes the permit
--- from each to the next without waiting for Redis (a 'pass' release tells
--- Redis afterwards). With one permit nobody else can be served before the
--- run ends, so arrival order holds; another process's waiter ends the run.
--- Appends identifier and token of each to `relayed`.
+-- the caller's waiters queued right behind it: each gets its fencing token
+-- now, and the caller passes the permit from each to the next without
+-- waiting for Redis (a 'pass' release tells Redis afterwards, and takes the
+-- next one out of the queue). They stay queued meanwhile, in their places:
+-- should the caller not pass the permit on -- a holder given up before it
+-- heard of its grant, a lease run out -- the permit goes from the queue's
+-- head to them all the same. With one permit nobody else can be served
+-- before the run ends, so arrival order holds; another process's waiter
+-- ends the run. Appends identifier and token of each to `relayed`.
 local function aiosem_relay_run(head, state, relayed)
   if not state.relays or state.limit ~= 1 or aiosem_owner(head) ~= state.caller then
     return
@@ -194,9 +197,6 @@ local function aiosem_relay_run(head, state, relayed)
     return
   end
   local first = aiosem_next_tokens(state.now, #run)
-  aiosem_zrem_all(QUEUE, run)
-  aiosem_zrem_all(WAITERS, run)
-  state.queued = state.queued - #run
   for i, identifier in ipairs(run) do
     relayed[#relayed + 1] = identifier
     relayed[#relayed + 1] = first + i - 1

@@ -15,9 +15,12 @@
 -- aiosem_relay_run): the identifiers come in threes, holder, successor
 -- ('' for none) and the successor's token, and each three has the results
 -- {released, installed, 0}: released as in 'release', and installed the
--- token if the successor now holds the permit the holder released (a
--- successor whose acquire was given up meanwhile does not, and the permit
--- goes to the queue), else 0. The same three sent again answers the same.
+-- token if the successor, the head of the queue, now holds the permit the
+-- holder released (or, the holder's permit gone, one that was free), taken
+-- out of the queue; the token it holds by if it held already; else 0 (a
+-- successor no longer queued -- its acquire given up, or presumed dead --
+-- and the permit goes to the queue's head). The same three sent again
+-- answers the same.
 local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
@@ -43,16 +46,27 @@ local function pass(successor, token, released, state)
   if successor == '' then
     return 0
   end
+  -- Holding already: installed by this pass sent before, or handed the
+  -- permit from the queue's head (its holder's lease ran out meanwhile).
   local held = redis.call('ZSCORE', OWNERS, successor)
   if held then
-    return tonumber(held) == tonumber(token) and tonumber(token) or 0
+    return tonumber(held)
   end
-  if released == 0 or redis.call('ZREM', CANCELLED, successor) == 1 then
+  -- The successor takes the permit its holder released -- or, the holder's
+  -- gone, one that is free -- as the head of the queue, which a run's next
+  -- waiter is: it stays queued, in its place, until a pass reaches it.
+  if released == 0 and not (state.limit and state.holders < state.limit) then
     return 0
   end
+  if redis.call('ZRANGE', QUEUE, 0, 0)[1] ~= successor then
+    return 0
+  end
+  redis.call('ZREM', QUEUE, successor)
+  redis.call('ZREM', WAITERS, successor)
+  state.queued = state.queued - 1
   redis.call('ZADD', OWNERS, token, successor)
   redis.call('ZADD', TIMEOUTS, aiosem_seconds(state.now), successor)
-  state.freed = state.freed - 1
+  state.freed = state.freed - released
   state.holders = state.holders + 1
   return tonumber(token)
 end
