@@ -198,7 +198,7 @@ async def evictions(admin: redis.asyncio.Redis) -> AsyncIterator[list[str]]:
                 if message["type"] == "message":
                     evicted.append(message["data"].decode())
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
 
 
 @pytest.mark.slow
@@ -409,14 +409,13 @@ async def test_a_locked_step_whose_commit_is_refused_for_memory_raises_out_of_me
     client = fresh_redis_server.client()
     sem = AsyncLockedSemaphore(client, "committed", LIMIT, timeout=10.0)
     commit = AsyncLockedSemaphore._commit
+    before: dict[bytes, tuple[bytes | None, bool]] = {}
 
     async def commit_on_a_full_server(self: AsyncLockedSemaphore, *args: Any) -> Any:
         await exhaust_memory(admin)
-        nonlocal before
-        before = await snapshot(admin)
+        before.update(await snapshot(admin))
         return await commit(self, *args)
 
-    before: dict[bytes, tuple[bytes | None, bool]] = {}
     try:
         monkeypatch.setattr(AsyncLockedSemaphore, "_commit", commit_on_a_full_server)
         with pytest.raises(OutOfMemory, match=r"^Redis refused a step of semaphore 'committed': its memory is full"):
