@@ -19,6 +19,7 @@ from ._decorators import rate_limiter as rate_limiter
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import LimitMismatch as LimitMismatch
 from ._exceptions import NotReplicated as NotReplicated
+from ._exceptions import OutOfMemory as OutOfMemory
 from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
@@ -38,6 +39,7 @@ __all__ = [
     "LimitMismatch",
     "LimiterEvent",
     "NotReplicated",
+    "OutOfMemory",
     "Permit",
     "PermitLost",
     "SemaphoreError",

@@ -295,35 +295,45 @@ _policy_checked: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 async def check_eviction_policy(client: Client, key: str) -> None:
-    """Warn, once per client, if the server serving ``key`` may evict aiosem's keys.
+    """Warn, once per client, if the server serving ``key`` may evict a live permit.
 
     With a ``maxmemory`` set, an ``allkeys-*`` policy may delete a
-    semaphore's permits -- and then grant more than its limit -- and a
-    ``volatile-*`` one its queue, its counter or a rate limiter's state
-    (they carry TTLs). ``noeviction`` refuses writes instead, which aiosem
-    reports as errors. A server that will not say (``CONFIG`` renamed or
-    not allowed, as on managed services) is not asked again; one out of
-    reach is asked again next time.
+    semaphore's permits -- and then grant more than its limit. A
+    ``volatile-*`` policy deletes only keys with a TTL, and the keys that
+    bear live permits have none: it may cost waiters their place or a rate
+    limiter its schedule, never the limit, and is not warned about.
+    ``noeviction`` refuses writes instead, which aiosem reports as
+    `OutOfMemory`.
+
+    One plain ``CONFIG GET`` asks, on a connection to the node serving
+    ``key``: queued in a ``MULTI``, even a read is refused while memory is
+    full. A server that will not say (``CONFIG`` renamed or not allowed to
+    the user, as on managed services) is not asked again; one out of reach
+    is asked again next time.
     """
     if client in _policy_checked:
         return
     _policy_checked.add(client)
     try:
-        maxmemory, policy = await transaction(
-            client, key, ("CONFIG", "GET", "maxmemory"), ("CONFIG", "GET", "maxmemory-policy")
-        )
+        with Bound(SHORTEST_STEP_BOUND, "reading the eviction policy"):
+            async with pinned_connection(client, key) as connection:
+                (reply,) = await connection.batch(("CONFIG", "GET", "maxmemory", "maxmemory-policy"))
     except ResponseError as error:
         logger.debug("could not read the eviction policy of Redis: %s", error)
         return
     except redis.RedisError:
-        _policy_checked.discard(client)
+        _policy_checked.discard(client)  # out of reach: asked again next time
         return
-    policy_name = _config_value(policy)
-    if int(_config_value(maxmemory) or 0) > 0 and policy_name not in ("", "noeviction"):
+    except BaseException:
+        _policy_checked.discard(client)  # cancelled: asked again next time
+        raise
+    config = _config_values(reply)
+    policy = config.get("maxmemory-policy", "")
+    if int(config.get("maxmemory") or 0) > 0 and policy.startswith("allkeys-"):
         logger.warning(
-            "Redis evicts keys when it reaches maxmemory (maxmemory-policy %s): it may delete aiosem's "
-            "permits and then grant more than a limit; set maxmemory-policy noeviction",
-            policy_name,
+            "Redis evicts any key when it reaches maxmemory (maxmemory-policy %s): it may delete aiosem's "
+            "permits and then grant more than a limit; set maxmemory-policy noeviction or a volatile-* policy",
+            policy,
         )
 
 
@@ -351,7 +361,7 @@ def watch_eviction_policy(client: Client, key: str) -> None:
     task.add_done_callback(checked)
 
 
-def _config_value(reply: Any) -> str:
-    """The value of a one-parameter CONFIG GET reply: a flat list in RESP2, a map in RESP3."""
-    values = list(reply.values()) if isinstance(reply, dict) else list(reply)[1::2]
-    return text(values[0]) if values else ""
+def _config_values(reply: Any) -> dict[str, str]:
+    """The parameters of a CONFIG GET reply, by name: a flat list in RESP2, a map in RESP3."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {text(name): text(value) for name, value in pairs}

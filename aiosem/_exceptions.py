@@ -6,20 +6,32 @@ Everything aiosem raises on purpose derives from `SemaphoreError`::
     ├── AcquireTimeout   (also a TimeoutError)
     ├── LimitMismatch
     ├── NotReplicated
+    ├── OutOfMemory      (also a redis.exceptions.OutOfMemoryError)
     └── PermitLost
 
 Misuse -- a bad argument, a permit handed to the wrong semaphore -- raises the
 built-in `TypeError` or `ValueError` before anything is sent to Redis. Errors
 of Redis itself (`redis.RedisError` and its subclasses, such as
 `redis.ConnectionError`) are never swallowed: they reach the caller as raised
-by redis-py.
+by redis-py -- but for a refusal for memory, which becomes `OutOfMemory`:
+still a `redis.exceptions.OutOfMemoryError`, now naming the semaphore.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AcquireTimeout", "LimitMismatch", "NotReplicated", "PermitLost", "SemaphoreError"]
+import redis.exceptions
+
+__all__ = [
+    "AcquireTimeout",
+    "LimitMismatch",
+    "NotReplicated",
+    "OutOfMemory",
+    "PermitLost",
+    "SemaphoreError",
+    "out_of_memory",
+]
 
 
 class SemaphoreError(Exception):
@@ -119,6 +131,51 @@ class NotReplicated(SemaphoreError):
         self.replicas = replicas
         #: How many acknowledged the step.
         self.acknowledged = acknowledged
+
+
+class OutOfMemory(SemaphoreError, redis.exceptions.OutOfMemoryError):
+    """Redis refused a step because its memory is full.
+
+    Redis is over its ``maxmemory`` and its ``maxmemory-policy`` lets it
+    evict nothing more: ``noeviction``, or a ``volatile-*`` policy once no
+    key with a TTL is left. It then refuses every command that may need
+    memory, and a refused step wrote nothing. Free memory or raise
+    ``maxmemory``; the next call works again. `AsyncFairSemaphore`'s steps
+    are never refused (see the page on faults); `AsyncLockedSemaphore`'s and
+    `AsyncRateLimiter`'s are.
+
+    Also a `redis.exceptions.OutOfMemoryError`, and so a
+    `redis.ResponseError`: code that handles Redis's errors catches it too.
+
+    Attributes:
+        name: The name of the semaphore (or rate limiter).
+        reply: What Redis answered, as redis-py reported it.
+    """
+
+    def __init__(self, *, name: str, reply: str, what: str = "semaphore") -> None:
+        super().__init__(
+            f"Redis refused a step of {what} {name!r}: its memory is full (used memory > maxmemory, and its "
+            "maxmemory-policy evicts nothing more); free memory or raise maxmemory",
+            name=name,
+        )
+        #: What Redis answered, as redis-py reported it.
+        self.reply = reply
+
+    def __repr__(self) -> str:
+        # redis-py's errors show only their class; this one shows its message too.
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+def out_of_memory(error: redis.exceptions.OutOfMemoryError, name: str, what: str = "semaphore") -> OutOfMemory:
+    """The `OutOfMemory` to raise, ``from None``, for Redis's refusal ``error`` of a step of ``name``.
+
+    A refusal arrives as redis-py's `OutOfMemoryError`, bare, from a script
+    (with the script's SHA and line), or from a pipeline (naming the command
+    and its key): the message says instead which semaphore and what to do.
+    """
+    if isinstance(error, OutOfMemory):
+        return error
+    return OutOfMemory(name=name, reply=str(error), what=what)
 
 
 class PermitLost(SemaphoreError):

@@ -11,9 +11,11 @@ import secrets
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import redis.exceptions
 
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
 from ._coordination import Lane, Submission
+from ._exceptions import out_of_memory
 from ._observing import log_fields
 from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
 from ._timing import Bound
@@ -52,6 +54,12 @@ class AsyncLockedSemaphore(_Semaphore):
     It shares its keys, and therefore its permits, with an
     `AsyncFairSemaphore` of the same name and prefix, and its lock with
     book clients that call ``acquire_semaphore_with_lock`` on its key.
+
+    Unlike the fair scripts, every step writes under a ``MULTI`` that Redis
+    refuses whole when its memory is full: then `acquire`, `refresh`,
+    `release` and the others raise `OutOfMemory` (a
+    ``redis.exceptions.OutOfMemoryError``), having written nothing, and a
+    permit kept alive is lost when its lease runs out.
 
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows one
@@ -122,7 +130,11 @@ class AsyncLockedSemaphore(_Semaphore):
         # however long the lock keeps it, nobody who came later gets ahead.
         # The tickets of a process's concurrent arrivals are drawn together.
         with Bound(self._step_bound, f"drawing a ticket of semaphore {self._name!r}"):
-            (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
+            try:
+                (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
+            except redis.exceptions.OutOfMemoryError as error:
+                # As a step's refusal: redis-py's names the pipeline's command and key.
+                raise out_of_memory(error, self._name) from None
         self._tickets[identifier.encode()] = ticket
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
@@ -404,13 +416,13 @@ class _Plan:
         if not self.owners and self.queue_size == 0:
             self.writes.append(("DEL", keys.limit))
         else:
-            # As the scripts' aiosem_expire_permits: a day, or two leases,
-            # pushed out once half of it ran down (so most steps write
-            # nothing). A key absent when read (-2) may be written now.
-            permits_ms = max(_COUNTER_TTL_MS, math.ceil(self.lease * 2000))
+            # As the scripts' aiosem_persist_permits: no TTL on a key that
+            # bears a live permit, lest volatile-* eviction take it. Only a
+            # TTL found is removed (-1: none, -2: no such key), so most steps
+            # write nothing here.
             for key, ttl in zip((keys.timeout_set, keys.owner_set, keys.limit), self.permit_ttls, strict=True):
-                if ttl < permits_ms // 2:
-                    self.writes.append(("PEXPIRE", key, permits_ms))
+                if ttl >= 0:
+                    self.writes.append(("PERSIST", key))
         earliest = min(self.leases.values(), default=None)
         return Reply(
             holders=len(self.owners),

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 import redis
+import redis.exceptions
 
 from ._connection import watch_eviction_policy
 from ._coordination import to_the_end
-from ._exceptions import AcquireTimeout
+from ._exceptions import AcquireTimeout, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._scripts import RATE_ACQUIRE
@@ -148,9 +149,12 @@ class AsyncRateLimiter:
         now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
         with Bound(SHORTEST_STEP_BOUND, f"a step of rate limiter {self._name!r}"):
-            granted, wait, tat = await RATE_ACQUIRE.run(
-                self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
-            )
+            try:
+                granted, wait, tat = await RATE_ACQUIRE.run(
+                    self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
+                )
+            except redis.exceptions.OutOfMemoryError as error:
+                raise out_of_memory(error, self._name, "rate limiter") from None
         return int(granted) == 1, int(wait) / _MICROSECONDS, int(tat)
 
     async def acquire(self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT) -> bool:
@@ -174,6 +178,8 @@ class AsyncRateLimiter:
         Raises:
             TypeError: ``blocking_timeout`` is not a number.
             ValueError: ``blocking_timeout`` is negative or NaN.
+            OutOfMemory: Redis's memory is full and it refused the
+                reservation, which took nothing.
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
@@ -249,6 +255,8 @@ class AsyncRateLimiter:
 
         Raises:
             AcquireTimeout: No slot within ``blocking_timeout``.
+            OutOfMemory: Redis's memory is full and it refused the
+                reservation, which took nothing.
             redis.RedisError: Redis failed or could not be reached.
         """
         if not await self.acquire():

@@ -42,7 +42,7 @@ from ._connection import (
     watch_eviction_policy,
 )
 from ._coordination import Lane, Submission, detached, raise_if_cancel_swallowed, subscriber_of, to_the_end
-from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
+from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError, out_of_memory
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
@@ -537,6 +537,8 @@ class _Semaphore(ABC):
             if redirect is None:
                 raise
             raise error from redirect  # on a cluster, why it took so long: the slot kept moving
+        except redis.exceptions.OutOfMemoryError as error:
+            raise out_of_memory(error, self._name) from None  # one short traceback that names the semaphore
         if reply is not None and reply.replicated is not None and reply.replicated < self._replicas:
             raise NotReplicated(name=self._name, replicas=self._replicas, acknowledged=reply.replicated)
         return reply

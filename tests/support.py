@@ -76,12 +76,11 @@ class AclUser:
 
 #: Every command one of aiosem's Lua scripts may call: Redis checks those too against the caller's ACL.
 SCRIPT_COMMANDS: Final = (
-    "+del", "+get", "+incr", "+pexpire", "+pttl", "+set", "+time", "+zadd", "+zcard", "+zintercard",
+    "+del", "+get", "+incr", "+persist", "+pexpire", "+pttl", "+set", "+time", "+zadd", "+zcard", "+zintercard",
     "+zinterstore", "+zmscore", "+zrange", "+zrangebyscore", "+zrem", "+zremrangebyscore", "+zscore",
 )  # fmt: skip
 #: `AsyncFairSemaphore` and `AsyncRateLimiter` (and the decorators of ``kind="fair"``): the scripts (a
-#: server that lacks one gets them all by SCRIPT LOAD), pub/sub for wake-ups, MULTI for `holders` (and
-#: for the eviction-policy check).
+#: server that lacks one gets them all by SCRIPT LOAD), pub/sub for wake-ups, MULTI for `holders`.
 FAIR_COMMANDS: Final = (
     "+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish", "+subscribe", "+unsubscribe", "+ping",
     "+multi", "+exec",
@@ -89,8 +88,8 @@ FAIR_COMMANDS: Final = (
 #: `AsyncLockedSemaphore` (``kind="locked"``): no Lua, its steps read under WATCH and write in MULTI.
 LOCKED_COMMANDS: Final = (
     "+ping", "+subscribe", "+unsubscribe", "+publish", "+multi", "+exec", "+watch", "+unwatch", "+time", "+get",
-    "+set", "+del", "+incrby", "+pexpire", "+pttl", "+zadd", "+zrem", "+zrange", "+zremrangebyscore", "+zcard",
-    "+zmscore",
+    "+set", "+del", "+incrby", "+persist", "+pexpire", "+pttl", "+zadd", "+zrem", "+zrange", "+zremrangebyscore",
+    "+zcard", "+zmscore",
 )  # fmt: skip
 #: `aiosem.recipes`: the scripts, and a wake-up for an aiosem waiter of a semaphore they share.
 RECIPE_COMMANDS: Final = ("+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish")

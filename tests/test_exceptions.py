@@ -10,14 +10,16 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import redis
 
-from aiosem import AcquireTimeout, LimitMismatch, NotReplicated, PermitLost, SemaphoreError
+from aiosem import AcquireTimeout, LimitMismatch, NotReplicated, OutOfMemory, PermitLost, SemaphoreError
 
 EXAMPLES = [
     pytest.param(SemaphoreError("semaphore 'db' stayed busy", name="db"), id="SemaphoreError"),
     pytest.param(AcquireTimeout(name="db", blocking_timeout=1.5), id="AcquireTimeout"),
     pytest.param(LimitMismatch(name="db", limit=3, stored_limit=5), id="LimitMismatch"),
     pytest.param(NotReplicated(name="db", replicas=2, acknowledged=1), id="NotReplicated"),
+    pytest.param(OutOfMemory(name="db", reply="command not allowed when used memory > 'maxmemory'."), id="OutOfMemory"),
     pytest.param(PermitLost(name="db", identifier="0123abcd.4567ef"), id="PermitLost"),
 ]
 
@@ -49,3 +51,20 @@ def test_a_lost_permit_names_its_identifier() -> None:
     error = PermitLost(name="db", identifier="0123abcd.4567ef")
     assert error.identifier == "0123abcd.4567ef"
     assert str(error) == "permit 0123abcd.4567ef of semaphore 'db' was lost: its lease ran out"
+
+
+def test_a_refusal_for_memory_is_redis_pys_out_of_memory_error_too() -> None:
+    error = OutOfMemory(name="db", reply="command not allowed when used memory > 'maxmemory'.")
+    assert isinstance(error, redis.exceptions.OutOfMemoryError)
+    assert isinstance(error, redis.ResponseError)
+    assert str(error) == (
+        "Redis refused a step of semaphore 'db': its memory is full (used memory > maxmemory, and its "
+        "maxmemory-policy evicts nothing more); free memory or raise maxmemory"
+    )
+    assert error.reply == "command not allowed when used memory > 'maxmemory'."
+    assert repr(error) == f"OutOfMemory({str(error)!r})"
+
+
+def test_a_refusal_for_memory_of_a_rate_limiter_names_the_limiter() -> None:
+    error = OutOfMemory(name="api", reply="", what="rate limiter")
+    assert str(error).startswith("Redis refused a step of rate limiter 'api': its memory is full")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING, cast
@@ -37,15 +36,11 @@ from tests.faults import (
     PauseKind,
     acquire_bound,
     debugging_server,
-    evict_until_gone,
-    exhaust_memory,
-    free_memory,
     pause_server,
     processes,
     proxied_client,
     proxied_url,
     report,
-    snapshot,
     step_bound,
 )
 from tests.support import until_queued
@@ -628,172 +623,7 @@ async def test_a_pause_past_the_lease_tells_the_holder_in_time_and_fences_it(
     assert waiter["token"] > holder["token"]
 
 
-# --- 4. Memory pressure ---------------------------------------------------------------------------
-
-
-async def prepared_step(client: redis.asyncio.Redis, step: str) -> Callable[[], Awaitable[object]]:
-    """A step of some state in Redis, ready to run (its script loaded): ``"<fair|locked|rate>-<operation>"``."""
-    kind, _, operation = step.partition("-")
-    if kind == "rate":
-        # One call every 10 s: the first one's key lasts for the whole test, and the next one reserves.
-        limiter = AsyncRateLimiter(client, "pressed", 0.1, blocking_timeout=60)
-        assert await limiter.acquire()
-        return limiter.acquire
-    sem = (AsyncFairSemaphore if kind == "fair" else AsyncLockedSemaphore)(client, "pressed", LIMIT, timeout=10.0)
-    permit = await sem.acquire()
-    assert permit is not None
-    steps: dict[str, Callable[[], Awaitable[object]]] = {
-        "acquire": functools.partial(sem.acquire, blocking=False),
-        "refresh": functools.partial(sem.refresh, permit),
-        "release": functools.partial(sem.release, permit),
-    }
-    return steps[operation]
-
-
-# The fair scripts are never refused: their first write frees memory (see the next test).
-@pytest.mark.parametrize("step", ["locked-acquire", "locked-refresh", "locked-release", "rate-acquire"])
-async def test_a_step_refused_for_memory_raises_out_of_memory_and_writes_nothing(
-    step: str, fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
-) -> None:
-    client = fresh_redis_server.client()
-    try:
-        run = await prepared_step(client, step)
-        await exhaust_memory(admin)
-        before = await snapshot(admin)
-        with pytest.raises(redis.OutOfMemoryError, match="maxmemory") as refused:
-            await run()
-        after = await snapshot(admin)
-        await free_memory(admin)
-    finally:
-        await client.aclose()
-    report(
-        f"{step}: over maxmemory under noeviction",
-        caller_saw=f"{type(refused.value).__module__}.{type(refused.value).__name__}: {refused.value}",
-        recovered_in=None,
-        over_limit="none; nothing written",
-    )
-    assert after == before
-
-
-async def test_under_memory_pressure_fair_acquires_and_releases_go_through_within_the_limit(
-    fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
-) -> None:
-    # Redis checks a script for memory only until its first write, and the
-    # first write of the fair acquire and release is a ZREM, which needs none.
-    client = fresh_redis_server.client()
-    sem = AsyncFairSemaphore(client, "pressed", LIMIT, timeout=10.0)
-    first = await sem.acquire()
-    assert first is not None
-    assert await sem.release(first)  # both scripts are loaded now
-    await exhaust_memory(admin)
-    permits = [await sem.acquire(blocking=False) for _ in range(LIMIT + 1)]
-    assert [permit is not None for permit in permits] == [True] * LIMIT + [False]
-    assert permits[0] is not None
-    assert await sem.release(permits[0])
-    assert await sem.count() == LIMIT - 1
-    await free_memory(admin)
-    await client.aclose()
-
-
-async def test_a_fair_holder_keeps_its_permit_under_memory_pressure(
-    fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
-) -> None:
-    client = fresh_redis_server.client()
-    sem = AsyncFairSemaphore(client, "pressed", 1, timeout=LEASE)
-    try:
-        with anyio.fail_after(BOUND):
-            async with sem:
-                await exhaust_memory(admin)
-                await anyio.sleep(2 * LEASE)  # the fault lasts two leases
-                await free_memory(admin)
-    finally:
-        await sem.aclose()
-        await client.aclose()
-
-
-async def test_once_memory_is_freed_every_step_works_again(
-    fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
-) -> None:
-    # The locked class, whose every step is refused over maxmemory (the fair class's never are).
-    cls = AsyncLockedSemaphore
-    client = fresh_redis_server.client()
-    sem = cls(client, "freed", LIMIT, timeout=10.0)
-    permit = await sem.acquire()
-    assert permit is not None
-    await exhaust_memory(admin)
-    with pytest.raises(redis.OutOfMemoryError):
-        await sem.refresh(permit)
-    await free_memory(admin)
-    freed = anyio.current_time()
-    second = await sem.acquire(blocking=False)
-    recovered = anyio.current_time() - freed
-    assert second is not None
-    assert await sem.refresh(permit)
-    assert await sem.release(permit)
-    assert await sem.release(second)
-    await client.aclose()
-    report(
-        f"{cls.__name__}: memory freed after refusals",
-        caller_saw="refresh refused with OutOfMemoryError, then every step works",
-        recovered_in=recovered,
-        over_limit="none",
-    )
-
-
-#: The policies under which Redis may evict what aiosem stores: permits (``allkeys-*``), or the
-#: queue, the tombstones, the counter and the rate limiters' state, which carry TTLs (``volatile-*``).
-EVICTING = ["allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "volatile-lfu", "volatile-random",
-            "volatile-ttl"]  # fmt: skip
-
-
-@pytest.mark.parametrize("policy", [*EVICTING, "noeviction"])
-async def test_an_eviction_policy_that_can_take_aiosem_keys_is_warned_about_once_per_client(
-    policy: str, fresh_redis_server: RedisServer, admin: redis.asyncio.Redis, caplog: pytest.LogCaptureFixture
-) -> None:
-    await admin.config_set("maxmemory", 1 << 30)
-    await admin.config_set("maxmemory-policy", policy)
-    # Semaphores of both classes and a rate limiter, on one client allowed to read the policy.
-    client = fresh_redis_server.admin_client()
-    with caplog.at_level(logging.WARNING, logger="aiosem"):
-        for name in ("first", "second"):
-            for cls in (AsyncFairSemaphore, AsyncLockedSemaphore):
-                sem = cls(client, name, 1)
-                permit = await sem.acquire()
-                assert permit is not None
-                await sem.release(permit)
-                await sem.aclose()
-        assert await AsyncRateLimiter(client, "third", 100).acquire()
-    await client.aclose()
-    warnings = [record for record in caplog.records if record.name == "aiosem" and policy in record.getMessage()]
-    assert len(warnings) == (0 if policy == "noeviction" else 1)
-
-
-async def test_holders_whose_keys_are_evicted_get_permit_lost_within_a_refresh_interval(
-    cls: SemaphoreClass, fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
-) -> None:
-    options = {"timeout": LEASE, "blocking_timeout": PATIENCE}
-    async with processes(fresh_redis_server.client, cls, "evicted", 3, 3, **options) as semaphores:
-        load = Load(semaphores, hold=SCENARIO)
-        key = semaphores[0].key
-        with anyio.fail_after(SCENARIO):
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(load.run)
-                await load.until(lambda: len(load.holding) == load.limit)
-                old = list(load.holding)
-                await evict_until_gone(admin, [key, f"{key}:owner"])
-                evicted = anyio.current_time()
-                counter_kept = await admin.exists(f"{key}:counter") == 1
-                await load.until(lambda: all(attempt.ended is not None for attempt in old))
-                load.stop()
-    assert [attempt.outcome for attempt in old] == ["PermitLost"] * load.limit
-    told = max(attempt.body_ended or 0 for attempt in old) - evicted
-    assert told <= REFRESH + MARGIN
-    report(
-        f"{cls.__name__}: permit keys evicted (allkeys-random)",
-        caller_saw=f"holders {load.outcomes(old)}, the last told {told:.3f} s after; counter kept: {counter_kept}",
-        recovered_in=None,
-        over_limit=over_limit(load),
-    )
+# --- 4. Memory full and keys evicted: see tests/test_eviction.py ---------------------------------
 
 
 # --- 5. The holder's event loop blocked -----------------------------------------------------------

@@ -44,7 +44,7 @@ import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _config, recipes
 from aiosem._urls import close, connect
 from tests.limiting import assert_no_task_left, isolate
-from tests.support import two_processes, until_queued
+from tests.support import FakeClock, two_processes, until_queued
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -527,17 +527,28 @@ async def test_the_fencing_counter_expires_by_itself_once_idle(
 
 
 @pytest.mark.parametrize("kind", ["fair", "locked"])
-async def test_the_keys_of_a_permit_never_given_back_expire_by_themselves(
+async def test_the_keys_of_a_permit_never_given_back_go_with_the_next_step_after_its_lease(
     fresh_redis_server: RedisServer, admin: redis.asyncio.Redis, kind: Kind
 ) -> None:
+    # The keys that bear a live permit carry no TTL (volatile-* eviction must not take them): a permit
+    # never given back stays, with the limit, until a step reaps it (see tests/test_eviction.py).
+    name, clock = f"abandoned-{kind}", FakeClock()
     client = fresh_redis_server.client()
     try:
         # Never given back, nor kept alive: as its holder's process crashed.
-        assert await CLASSES[kind](client, f"abandoned-{kind}", 2, timeout=1).acquire() is not None
+        assert await CLASSES[kind](client, name, 2, timeout=1, clock=clock).acquire(blocking=False) is not None
+        without_ttl = {key for key, ttl in (await ttls(admin)).items() if ttl < 0}
+        clock.advance(1)
+        # The next step on the name, once the lease ran out.
+        sem = CLASSES[kind](client, name, 2, timeout=1, clock=clock)
+        permit = await sem.acquire(blocking=False)
+        assert permit is not None
+        assert await sem.release(permit)
     finally:
         await client.aclose()
-    left = await ttls(admin)
-    assert {key: ttl for key, ttl in left.items() if ttl < 0} == {}
+    base = f"aiosem:{{{name}}}"
+    assert without_ttl == {base, f"{base}:owner", f"{base}:limit"}
+    assert {key: ttl for key, ttl in (await ttls(admin)).items() if ttl < 0} == {}
 
 
 # --- 3. in the process: memory, connections and tasks stay flat, and end with aclose ------------

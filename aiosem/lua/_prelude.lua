@@ -261,17 +261,17 @@ local function aiosem_expire(waiter_ttl)
   end
 end
 
--- The permit sets and the limit outlive the last step by a day (or two
--- leases, if longer), as the counter does: a holder that died and a name
--- never used again leave nothing for ever. A book client's writes extend no
--- TTL: its permits stay covered as long as some aiosem step touches the
--- name once a day.
-local function aiosem_expire_permits(lease)
-  local permits_ms = math.max(COUNTER_TTL_MS, math.ceil(lease * 2000))
+-- The permit sets and the limit carry no TTL while anybody holds or waits:
+-- a volatile-* eviction policy, which takes only keys with a TTL, can then
+-- never delete a live permit. A TTL found on one (an older aiosem set a
+-- day) is removed; a key without one is only read, so most steps write
+-- nothing here. Nothing is left for ever all the same: the sets are deleted
+-- with their last entry and the limit once idle, and what a holder that
+-- died leaves is reaped by the next step on the name.
+local function aiosem_persist_permits()
   for _, key in ipairs({TIMEOUTS, OWNERS, LIMIT}) do
-    local ttl = redis.call('PTTL', key)
-    if ttl == -1 or (ttl >= 0 and ttl < permits_ms / 2) then
-      redis.call('PEXPIRE', key, permits_ms)
+    if redis.call('PTTL', key) >= 0 then
+      redis.call('PERSIST', key)
     end
   end
 end
@@ -349,7 +349,7 @@ local function aiosem_run(operation, hand_off_first)
     -- Idle: whoever comes next may bring another limit.
     redis.call('DEL', LIMIT)
   else
-    aiosem_expire_permits(state.lease)
+    aiosem_persist_permits()
   end
   local reply = aiosem_header(state, relayed)
   for _, list in ipairs({results, granted, relayed}) do
