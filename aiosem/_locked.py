@@ -38,7 +38,7 @@ logger = logging.getLogger("aiosem")
 #: 5/12 of its lease (or waiter timeout) to spare, and by two in a row, 1/6.
 _LOCK_SHARE: Final = 0.25
 #: The shortest lock derived from that share, in ms: a step must end within
-#: its lock (its two round trips).
+#: its lock (its two round trips, or three after waiting for it).
 _SHORTEST_LOCK_MS: Final = 10
 #: How long freeing the lock of an interrupted step may take at most: and
 #: never longer than the lock lives, since by then it has freed itself.
@@ -57,7 +57,8 @@ class AsyncLockedSemaphore(_Semaphore):
     Should the lock expire mid-step and someone else take it, or anyone else
     write the semaphore, the ``EXEC`` aborts and the step is retried, so
     nothing is ever half-written or decided on stale data. A step costs two
-    round trips; a busy lock is waited out with a jittered back-off.
+    round trips; a busy lock is waited out with a jittered back-off, each
+    try sending the lock's ``SET`` alone, and the reads once it is ours.
 
     It shares its keys, and therefore its permits, with an
     `AsyncFairSemaphore` of the same name and prefix, and its lock with
@@ -99,7 +100,7 @@ class AsyncLockedSemaphore(_Semaphore):
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_lock_ms", "_ticket_lane", "_tickets", "_unlocking")
+    __slots__ = ("_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
 
     def __init__(
         self,
@@ -132,6 +133,8 @@ class AsyncLockedSemaphore(_Semaphore):
         )
         share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(self._timeout, self._waiter_ttl) * _LOCK_SHARE * 1000))
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
+        #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
+        self._lock_seen_busy: set[tuple[Operation, str]] = set()
         #: Unlocks under way after interrupted steps, for `aclose` to wait for.
         self._unlocking: set[asyncio.Task[None]] = set()
         #: The tickets of waiters not yet queued.
@@ -207,7 +210,7 @@ class AsyncLockedSemaphore(_Semaphore):
         try:
             async with pinned_connection(self._client, self._keys.lock) as connection:
                 locked = True
-                replies = await self._lock_and_read(connection, owner, unticketed, reads)
+                replies = await self._lock_and_read(connection, owner, (operation, mode), unticketed, reads)
                 if replies is None:
                     locked = False
                     return None
@@ -287,6 +290,7 @@ class AsyncLockedSemaphore(_Semaphore):
         self,
         connection: PinnedConnection,
         owner: str,
+        lane: tuple[Operation, str],
         unticketed: Sequence[bytes],
         reads: Sequence[Command],
     ) -> list[Any] | None:
@@ -300,17 +304,30 @@ class AsyncLockedSemaphore(_Semaphore):
         if unticketed:
             waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
             tickets += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
-        # The lock in the reads' round trip: the SET before the WATCH, so that
-        # our own lock does not dirty it.
-        replies = await connection.batch(*tickets, take, *reads)
+        waiting = lane in self._lock_seen_busy
+        if waiting:
+            # Waiting for a busy lock: each try of the step takes the lock and
+            # nothing else, and the reads follow once the lock is ours.
+            replies = await connection.batch(*tickets, take)
+            if replies[-1] is not None:
+                replies += await connection.batch(*reads)
+        else:
+            # The lock in the reads' round trip: the SET before the WATCH, so
+            # that our own lock does not dirty it.
+            replies = await connection.batch(*tickets, take, *reads)
         if unticketed:
             last = int(replies[0])
             for offset, member in enumerate(unticketed, start=last - len(unticketed) + 1):
                 self._tickets[member] = offset
         replies = replies[len(tickets) :]
         if replies[0] is None:
-            await connection.batch(("UNWATCH",))
+            self._lock_seen_busy.add(lane)
+            if not waiting:
+                await connection.batch(("UNWATCH",))
             return None
+        # Ours: the lane's next step starts optimistic again. (A lane runs one
+        # step at a time, so what its last try saw was this step's.)
+        self._lock_seen_busy.discard(lane)
         return replies
 
     async def _commit(

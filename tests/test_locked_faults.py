@@ -367,6 +367,58 @@ async def test_a_partitioned_holder_costs_no_one_their_permit_or_their_place_whe
     assert gave_up, "the partitioned process's unlock gave up without a word"
 
 
+# --- what waiting for a busy lock costs ----------------------------------------------------------
+
+#: How long the lock is held by hand while a step waits for it.
+HELD: Final = 0.5
+
+
+async def test_a_step_waits_for_a_busy_lock_cheaply_and_goes_on_once_it_is_freed(
+    fresh_redis_server: RedisServer,
+) -> None:
+    server = fresh_redis_server
+    admin = server.admin_client()
+    client = server.client()
+    sem = AsyncLockedSemaphore(client, "busy", 1, timeout=LEASE)
+    lock = f"lock:{sem.key}"
+    try:
+        await sem.count()  # a connection of its own, open
+        await admin.config_resetstat()
+        await admin.set(lock, "held by hand", px=round(10 * LEASE * 1000))
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(sem.count)
+                await anyio.sleep(HELD)  # the lock is held this long
+                stats = await admin.info("commandstats")
+                await admin.delete(lock)
+                freed = anyio.current_time()
+            took = anyio.current_time() - freed
+    finally:
+        await sem.aclose()
+        await client.aclose()
+        await admin.aclose()
+    calls = {key.removeprefix("cmdstat_"): int(value["calls"]) for key, value in stats.items()}
+    calls["set"] -= 1  # the lock set by hand
+    calls.pop("config|resetstat", None)
+    sent = sum(calls.values())
+    tries = calls["set"]
+    report(
+        f"AsyncLockedSemaphore: a step waiting {HELD:g} s for a lock held by hand",
+        caller_saw=f"{tries / HELD:.0f} tries/s, {sent / HELD:.0f} commands/s ({calls}); "
+        f"went on {took * 1000:.1f} ms after the lock was freed",
+        recovered_in=took,
+        over_limit="none",
+    )
+    assert sent / HELD <= MOST_COMMANDS_PER_SECOND, calls
+    assert took <= PROMPTLY
+
+
+#: The most commands a second a step waiting for a busy lock may send.
+MOST_COMMANDS_PER_SECOND: Final = 500
+#: How soon a step waiting for a lock goes on once it is freed: its back-off (at most 5 ms) and a step.
+PROMPTLY: Final = 0.1
+
+
 # --- the lock's life ------------------------------------------------------------------------------
 
 
