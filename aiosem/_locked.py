@@ -11,6 +11,7 @@ import secrets
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import anyio.lowlevel
 import redis.exceptions
 
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
@@ -31,10 +32,19 @@ __all__ = ["AsyncLockedSemaphore"]
 
 logger = logging.getLogger("aiosem")
 
-#: How long freeing the lock of an interrupted step may take.
+#: The step lock lives at most this share of the shorter of the lease and the
+#: waiter timeout: all a process that crashes, stalls or is cut off mid-step
+#: can cost the others. Holders start refreshing at most a third of a lease
+#: after their last refresh, waiters prove themselves alive every third of a
+#: waiter timeout: held up by one stale lock, such a step still lands with
+#: 5/12 of its lease (or waiter timeout) to spare, and by two in a row, 1/6.
+_LOCK_SHARE: Final = 0.25
+#: The shortest lock derived from that share, in ms: a step must end within
+#: its lock (its two round trips, or three after waiting for it).
+_SHORTEST_LOCK_MS: Final = 10
+#: How long freeing the lock of an interrupted step may take at most: and
+#: never longer than the lock lives, since by then it has freed itself.
 _UNLOCK_TIMEOUT: Final = 2.0
-#: Unlocks under way after failed steps (a task must be referenced to run).
-_UNLOCKING: set[asyncio.Task[None]] = set()
 
 
 class AsyncLockedSemaphore(_Semaphore):
@@ -49,7 +59,8 @@ class AsyncLockedSemaphore(_Semaphore):
     Should the lock expire mid-step and someone else take it, or anyone else
     write the semaphore, the ``EXEC`` aborts and the step is retried, so
     nothing is ever half-written or decided on stale data. A step costs two
-    round trips; a busy lock is waited out with a jittered back-off.
+    round trips; a busy lock is waited out with a jittered back-off, each
+    try sending the lock's ``SET`` alone, and the reads once it is ours.
 
     It shares its keys, and therefore its permits, with an
     `AsyncFairSemaphore` of the same name and prefix, and its lock with
@@ -81,15 +92,23 @@ class AsyncLockedSemaphore(_Semaphore):
         on_lost: Notify instead of cancelling (see `AsyncFairSemaphore`).
         replicas: Wait for this many replicas to have each acquire and
             refresh (see `AsyncFairSemaphore`).
-        lock_timeout: How long the step lock lives if its holder dies
-            mid-step, in seconds: the longest a crash can stall the others.
+        lock_timeout: The longest the step lock may live, in seconds. It
+            is set to expire after this, or after a quarter of the shorter
+            of ``timeout`` and ``waiter_timeout`` (but at least 10 ms) if
+            that is shorter: 0.5 s with the defaults, 0.25 s with a lease
+            of 1 s. Each step deletes its lock as it commits;
+            the lock stays only when its process crashes, stalls or is cut
+            off mid-step, and holds everyone else's steps up for no longer
+            than this -- well within the lease, so that holders refreshing
+            on time and live waiters lose nothing by it. A step must end
+            within it: a step slower than its lock is tried again.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_lock_ms", "_ticket_lane", "_tickets")
+    __slots__ = ("_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
 
     def __init__(
         self,
@@ -120,7 +139,12 @@ class AsyncLockedSemaphore(_Semaphore):
             on_lost=on_lost,
             replicas=replicas,
         )
-        self._lock_ms = max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000))
+        share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(self._timeout, self._waiter_ttl) * _LOCK_SHARE * 1000))
+        self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
+        #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
+        self._lock_seen_busy: set[tuple[Operation, str]] = set()
+        #: Unlocks under way after interrupted steps, for `aclose` to wait for.
+        self._unlocking: set[asyncio.Task[None]] = set()
         #: The tickets of waiters not yet queued.
         self._tickets: dict[bytes, int] = {}
         self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
@@ -150,44 +174,46 @@ class AsyncLockedSemaphore(_Semaphore):
     def _forget(self, identifier: str) -> None:
         self._tickets.pop(identifier.encode(), None)
 
+    async def aclose(self) -> None:
+        """Give back every permit kept alive through this object, stop its background work, and free its lock.
+
+        As `AsyncFairSemaphore.aclose`; then it waits for the unlocks of
+        steps interrupted meanwhile (each bounded by the lock's lifetime,
+        after which the lock has freed itself), so that a process that
+        closes its semaphores before it exits leaves no step lock behind.
+
+        Raises:
+            redis.RedisError: Giving back the permits failed (they end with
+                their leases).
+
+        Cancellation:
+            Shielded, and bounded to 5 s and then to the lock's lifetime
+            (at most 2 s).
+        """
+        try:
+            await super().aclose()
+        finally:
+            loop = asyncio.get_running_loop()
+            unlocking = [task for task in self._unlocking if task.get_loop() is loop]
+            if unlocking:
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait(unlocking)
+
     async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply | None:
+        # A step whose bound has passed -- its loop woke from a long block,
+        # say -- would take the lock and be cancelled holding it, before
+        # its first reply: let the cancellation land before anything is sent.
+        while anyio.current_effective_deadline() <= anyio.current_time():
+            await anyio.lowlevel.checkpoint()
         keys = self._keys
         owner = secrets.token_hex(16)
         now = self._now()
         members = [identifier.encode() for identifier in identifiers]
-        # The queue is read only as far as a step can reach: its head, its
-        # earliest presumed deaths, and the step's own identifiers.
-        window = self._limit + len(members) + _QUEUE_WINDOW
         # A waiter's place in the queue is its ticket, drawn outside the lock
         # when it arrived (or here, for one queued again) and kept through
         # retries: waiting out a busy lock never costs it its place.
         unticketed = [m for m in members if m not in self._tickets] if mode == "wait" else []
-        reads: list[Command] = []
-        if unticketed:
-            waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
-            reads += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
-        first = len(reads)
-        reads += [
-            ("SET", keys.lock, owner, "NX", "PX", self._lock_ms),
-            # Not the tickets: others take theirs outside the lock.
-            ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
-            ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-            ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
-            ("GET", keys.counter),
-            ("ZRANGE", keys.queue, 0, window - 1, "WITHSCORES"),
-            ("ZCARD", keys.queue),
-            ("ZRANGE", keys.waiters, 0, window - 1, "WITHSCORES"),
-        ]
-        reads.extend(
-            ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
-        )
-        reads.append(("GET", keys.limit))
-        reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
-        # What an earlier try of this call released, if its reply was lost:
-        # only this call writes its receipt.
-        reads.append(("GET", keys.receipt(call)) if call else ("PING",))
-        if now is None:
-            reads.append(("TIME",))
+        reads = self._reads(members, call, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
         # the lock may be ours: a compare-and-delete with our own owner value
         # is safe even if the SET never happened.
@@ -196,15 +222,9 @@ class AsyncLockedSemaphore(_Semaphore):
         try:
             async with pinned_connection(self._client, self._keys.lock) as connection:
                 locked = True
-                replies = await connection.batch(*reads)
-                if unticketed:
-                    last = int(replies[0])
-                    for offset, member in enumerate(unticketed, start=last - len(unticketed) + 1):
-                        self._tickets[member] = offset
-                replies = replies[first:]
-                if replies[0] is None:
+                replies = await self._lock_and_read(connection, owner, (operation, mode), unticketed, reads)
+                if replies is None:
                     locked = False
-                    await connection.batch(("UNWATCH",))
                     return None
                 now = _parse_time(replies[16]) if now is None else now
 
@@ -244,11 +264,83 @@ class AsyncLockedSemaphore(_Semaphore):
                         self._tickets.pop(member, None)
         except BaseException as error:
             if locked:
-                await self._unlock_after(owner, error)
+                await self._free_lock(owner, error)
             raise
         if locked:
-            await self._unlock(owner)
+            await self._free_lock(owner)
         return None if committed is None else reply
+
+    def _reads(self, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
+        """What a step reads under WATCH, the WATCH first: ``_Plan`` is made of their replies."""
+        keys = self._keys
+        # The queue is read only as far as a step can reach: its head, its
+        # earliest presumed deaths, and the step's own identifiers.
+        window = self._limit + len(members) + _QUEUE_WINDOW
+        reads: list[Command] = [
+            # Not the tickets: others take theirs outside the lock.
+            ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
+            ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+            ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
+            ("GET", keys.counter),
+            ("ZRANGE", keys.queue, 0, window - 1, "WITHSCORES"),
+            ("ZCARD", keys.queue),
+            ("ZRANGE", keys.waiters, 0, window - 1, "WITHSCORES"),
+        ]
+        reads.extend(
+            ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
+        )
+        reads.append(("GET", keys.limit))
+        reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
+        # What an earlier try of this call released, if its reply was lost:
+        # only this call writes its receipt.
+        reads.append(("GET", keys.receipt(call)) if call else ("PING",))
+        if server_time:
+            reads.append(("TIME",))
+        return reads
+
+    async def _lock_and_read(
+        self,
+        connection: PinnedConnection,
+        owner: str,
+        lane: tuple[Operation, str],
+        unticketed: Sequence[bytes],
+        reads: Sequence[Command],
+    ) -> list[Any] | None:
+        """Take the lock as ``owner`` and run ``reads``: the SET's reply and theirs, or ``None`` if the lock is busy.
+
+        Tickets are drawn for the ``unticketed`` waiters first, lock or no lock.
+        """
+        keys = self._keys
+        take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
+        tickets: list[Command] = []
+        if unticketed:
+            waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
+            tickets += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
+        waiting = lane in self._lock_seen_busy
+        if waiting:
+            # Waiting for a busy lock: each try of the step takes the lock and
+            # nothing else, and the reads follow once the lock is ours.
+            replies = await connection.batch(*tickets, take)
+            if replies[-1] is not None:
+                replies += await connection.batch(*reads)
+        else:
+            # The lock in the reads' round trip: the SET before the WATCH, so
+            # that our own lock does not dirty it.
+            replies = await connection.batch(*tickets, take, *reads)
+        if unticketed:
+            last = int(replies[0])
+            for offset, member in enumerate(unticketed, start=last - len(unticketed) + 1):
+                self._tickets[member] = offset
+        replies = replies[len(tickets) :]
+        if replies[0] is None:
+            self._lock_seen_busy.add(lane)
+            if not waiting:
+                await connection.batch(("UNWATCH",))
+            return None
+        # Ours: the lane's next step starts optimistic again. (A lane runs one
+        # step at a time, so what its last try saw was this step's.)
+        self._lock_seen_busy.discard(lane)
+        return replies
 
     async def _commit(
         self, connection: PinnedConnection, plan: _Plan, reply: Reply, operation: Operation, mode: str
@@ -265,25 +357,33 @@ class AsyncLockedSemaphore(_Semaphore):
         committed = replies[-2]
         return committed, reply if committed is None else dataclasses.replace(reply, replicated=int(replies[-1]))
 
-    async def _unlock_after(self, owner: str, error: BaseException) -> None:
-        """Free the lock of a step that ``error`` interrupted."""
-        if isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time():
-            # In the background: a step failing because Redis is out of reach,
-            # or running out of its time, must end now, not after the unlock
-            # gives up too.
-            unlocking = asyncio.get_running_loop().create_task(self._unlock(owner))
-            _UNLOCKING.add(unlocking)
-            unlocking.add_done_callback(_UNLOCKING.discard)
-        else:
-            # Cancelled: freed (shielded, bounded) before the cancellation
-            # propagates, so that a cancelled caller leaves nothing behind.
-            await self._unlock(owner)
+    async def _free_lock(self, owner: str, error: BaseException | None = None) -> None:
+        """Free the lock a step may still hold: before returning, or in the background after ``error``.
+
+        The unlock is a task of its own, which `aclose` waits for.
+        """
+        unlocking = asyncio.get_running_loop().create_task(self._unlock(owner), name="aiosem unlock")
+        self._unlocking.add(unlocking)
+        unlocking.add_done_callback(self._unlocking.discard)
+        if error is not None and (
+            isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time()
+        ):
+            # A step failing because Redis is out of reach, or running out of
+            # its time, must end now, not after the unlock gives up too.
+            return
+        # Otherwise -- an aborted EXEC, or a cancellation -- freed before the
+        # step ends or the cancellation propagates, so that a cancelled
+        # caller leaves nothing behind.
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait([unlocking])
 
     async def _unlock(self, owner: str) -> None:
         # After an aborted EXEC, or an error or cancellation mid-step, the lock
         # may still be ours. An EXEC of ours still in flight watches the lock,
         # so deleting it first only makes that EXEC abort: safe either way.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_UNLOCK_TIMEOUT):
+        # Past the lock's own lifetime there is nothing left to free.
+        bound = min(_UNLOCK_TIMEOUT, self._lock_ms / 1000)
+        with anyio.move_on_after(bound) as scope:
             try:
                 async with pinned_connection(self._client, self._keys.lock) as connection:
                     value = (await connection.batch(("WATCH", self._keys.lock), ("GET", self._keys.lock)))[1]
@@ -293,11 +393,19 @@ class AsyncLockedSemaphore(_Semaphore):
                         await connection.batch(("UNWATCH",))
             except Exception:
                 logger.warning(
-                    "could not free the lock of %r; it expires by itself",
+                    "could not free the step lock of %r; it expires by itself within %g s",
                     self,
+                    self._lock_ms / 1000,
                     exc_info=True,
                     extra=log_fields(self._name),
                 )
+        if scope.cancelled_caught:
+            logger.warning(
+                "could not free the step lock of %r within %g s; it expires by itself",
+                self,
+                bound,
+                extra=log_fields(self._name),
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

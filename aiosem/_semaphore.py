@@ -1223,6 +1223,11 @@ class _Semaphore(ABC):
     async def _refresh_step(self, holds: list[Hold], until: float) -> Sequence[int] | None:
         """Refresh ``holds`` in one step, waited for until ``until`` (loop time); ``None`` if it failed or stalled."""
         loop = asyncio.get_running_loop()
+        if loop.time() >= until:
+            # Too late already (the loop woke from a long block): a step
+            # started now would be cancelled as soon as it had reached Redis,
+            # and leave a half-done step behind (the locked class's lock).
+            return None
         step = loop.create_task(
             self._submit("refresh", "", [hold.permit.identifier for hold in holds]), name="aiosem refresh"
         )
