@@ -94,16 +94,6 @@ _RELEASE_RETRIES: Final = 3
 LIMIT_MISMATCH: Final = -3
 
 
-#: Steps cut short, still unwinding (a task must be referenced to run).
-_UNWINDING: set[asyncio.Task[Any]] = set()
-
-
-def _unwound(step: asyncio.Task[Any]) -> None:
-    _UNWINDING.discard(step)
-    if not step.cancelled():
-        step.exception()  # retrieved: its failure only mattered to the round that gave up on it
-
-
 class _TimeUp(Exception):
     """Set on a waiter's future when its wait runs out before a grant."""
 
@@ -1188,9 +1178,8 @@ class _Semaphore(ABC):
         growing pause, never later than the earliest lease could run out;
         a hold whose lease may have run out meanwhile is lost. A slow step
         is waited for until that moment, however slow: Redis may have
-        restarted the leases. A step still stalled then is left to unwind in
-        the background (the locked step frees its lock), so that its holders
-        hear of their loss at once.
+        restarted the leases. A step still stalled then goes on in its lane,
+        within its own bound, and its holders hear of their loss at once.
         """
         loop = asyncio.get_running_loop()
         holds = list(self._holds.values())
@@ -1221,36 +1210,31 @@ class _Semaphore(ABC):
         return next_round
 
     async def _refresh_step(self, holds: list[Hold], until: float) -> Sequence[int] | None:
-        """Refresh ``holds`` in one step, waited for until ``until`` (loop time); ``None`` if it failed or stalled."""
+        """Refresh ``holds`` in one step, waited for until ``until`` (loop time); ``None`` if it failed or stalled.
+
+        A step still under way at ``until`` goes on in its lane, within its
+        own bound: its answer only comes too late to matter.
+        """
         loop = asyncio.get_running_loop()
         if loop.time() >= until:
             # Too late already (the loop woke from a long block): a step
-            # started now would be cancelled as soon as it had reached Redis,
-            # and leave a half-done step behind (the locked class's lock).
+            # started now could only come too late, and would take the
+            # locked class's step lock for nothing.
             return None
-        step = loop.create_task(
-            self._submit("refresh", "", [hold.permit.identifier for hold in holds]), name="aiosem refresh"
-        )
-        try:
-            with anyio.move_on_after(max(0.0, until - loop.time())):
-                try:
-                    values, _ = await asyncio.shield(step)
-                except Exception:
-                    self._refresh_failures += 1
-                    if self._refresh_failures == 1:
-                        logger.warning(
-                            "refreshing the permits held through %r failed; retrying",
-                            self,
-                            exc_info=True,
-                            extra=log_fields(self._name),
-                        )
-                else:
-                    return values
-        finally:
-            if not step.done():
-                step.cancel()
-                _UNWINDING.add(step)
-                step.add_done_callback(_unwound)
+        with anyio.move_on_after(until - loop.time()):
+            try:
+                values, _ = await self._submit("refresh", "", [hold.permit.identifier for hold in holds])
+            except Exception:
+                self._refresh_failures += 1
+                if self._refresh_failures == 1:
+                    logger.warning(
+                        "refreshing the permits held through %r failed; retrying",
+                        self,
+                        exc_info=True,
+                        extra=log_fields(self._name),
+                    )
+            else:
+                return values
         return None
 
     async def aclose(self) -> None:

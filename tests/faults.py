@@ -30,7 +30,7 @@ import redis
 import redis.asyncio
 
 from aiosem import AcquireTimeout, PermitLost, SemaphoreError
-from aiosem._coordination import _SUBSCRIBE_TIMEOUT, CLEANUP_TIMEOUT
+from aiosem._coordination import CLEANUP_TIMEOUT
 from aiosem._timing import SHORTEST_STEP_BOUND
 from tests.support import RedisServer
 
@@ -80,15 +80,14 @@ def step_bound(semaphore: Semaphore) -> float:
     return max(semaphore.timeout, SHORTEST_STEP_BOUND)
 
 
-def acquire_bound(semaphore: Semaphore, blocking_timeout: float, *, subscribed: bool) -> float:
+def acquire_bound(semaphore: Semaphore, blocking_timeout: float) -> float:
     """The longest an acquire may take when Redis stops answering, as the code bounds it.
 
-    Its wait in the queue, then -- for the first blocking call of an object
-    -- the subscription, one step, and the clean-up that gives back what the
-    step may have taken.
+    Its wait in the queue, then one step, and the clean-up that gives back
+    what the step may have taken. (Nothing one-time is waited for: the
+    first subscription of an object is made in the background.)
     """
-    subscribing = 0.0 if subscribed else _SUBSCRIBE_TIMEOUT
-    return blocking_timeout + subscribing + step_bound(semaphore) + CLEANUP_TIMEOUT
+    return blocking_timeout + step_bound(semaphore) + CLEANUP_TIMEOUT
 
 
 @contextlib.asynccontextmanager

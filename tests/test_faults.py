@@ -144,7 +144,7 @@ async def test_an_empty_restart_costs_the_old_holders_their_permits_within_a_ref
         assert attempt.body_ended is not None
         assert attempt.body_ended - restarting <= REFRESH + MARGIN
     assert all(start >= stopped and end - start <= REFRESH + MARGIN for start, end in load.overlaps)
-    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE, subscribed=False) + MARGIN
+    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE) + MARGIN
     assert load.longest_exit() <= CLEANUP_TIMEOUT + MARGIN
     old_tokens = [attempt.token or 0 for attempt in old]
     new_tokens = [attempt.token or 0 for attempt in load.granted_after(restarting)]
@@ -181,7 +181,7 @@ async def test_a_restart_with_data_after_the_lease_lets_nobody_over_the_limit(
     assert all(attempt.body_ended is not None and attempt.body_ended - stopped <= LEASE + MARGIN for attempt in old)
     new_tokens = [attempt.token or 0 for attempt in load.granted_after(restarting)]
     assert min(new_tokens) > max(attempt.token or 0 for attempt in old)
-    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE, subscribed=False) + MARGIN
+    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE) + MARGIN
     report(
         f"{cls.__name__}: SIGTERM after SAVE, down {LEASE + OUTAGE:g} s (lease {LEASE:g} s), restart with data",
         caller_saw=f"old holders {load.outcomes(old)}, told "
@@ -240,7 +240,7 @@ async def test_normal_connections_killed_under_load_cost_no_holder_its_permit(
     assert killed >= KILLS
     assert "PermitLost" not in load.outcomes()
     assert not load.overlaps
-    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE, subscribed=False) + MARGIN
+    assert load.longest_acquire() <= acquire_bound(semaphores[0], PATIENCE) + MARGIN
     report(
         f"{cls.__name__} ({kind} clients): CLIENT KILL TYPE normal x{KILLS} ({killed} connections) under load",
         caller_saw=f"{load.outcomes()}",
@@ -398,8 +398,8 @@ async def test_a_partition_holds_no_call_past_its_bound(
     sem = cls(client, f"partitioned-{cls.__name__}-{kind}", 3, timeout=LEASE)
     lost = anyio.Event()
     bounds = {
-        "acquire(blocking_timeout=1)": acquire_bound(sem, 1.0, subscribed=True),
-        "acquire(blocking=False)": acquire_bound(sem, 0.0, subscribed=True),
+        "acquire(blocking_timeout=1)": acquire_bound(sem, 1.0),
+        "acquire(blocking=False)": acquire_bound(sem, 0.0),
         "release": step_bound(sem),
         "refresh": step_bound(sem),
         "background refresh": LEASE,
