@@ -184,7 +184,7 @@ class Lane(Generic[R]):
 
 
 def _settle(submission: Submission[R], outcome: tuple[Sequence[int], R] | BaseException) -> None:
-    """Give ``submission`` its outcome (a caller that gave up meanwhile reads it through `asyncio.shield`)."""
+    """Give ``submission`` its outcome."""
     future = submission.outcome
     if future is None or future.done():
         return
@@ -192,6 +192,10 @@ def _settle(submission: Submission[R], outcome: tuple[Sequence[int], R] | BaseEx
         future.cancel()
     elif isinstance(outcome, BaseException):
         future.set_exception(outcome)
+        if submission.awaited is not None and submission.awaited.cancelled():
+            # Read: its caller gave up on it, and `asyncio.shield` marks it read only if the
+            # caller gave up after the error came.
+            future.exception()
     else:
         future.set_result(outcome)
 

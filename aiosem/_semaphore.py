@@ -571,6 +571,7 @@ class _Semaphore(ABC):
 
     def _on_message(self, message: str) -> None:
         """A permit was handed to some of this object's waiters by another process."""
+        now = asyncio.get_running_loop().time()
         for grant in message.split():
             identifier, _, token = grant.partition(":")
             # The permit is the waiter's from the grant on: it returns at once,
@@ -582,12 +583,15 @@ class _Semaphore(ABC):
             if waiter is None or waiter.done() or not token.isdigit():
                 continue
             self._claims.add(identifier)
-            if not self._replicas:
-                # Granted after the last step that found it queued was sent,
-                # for a waiter timeout: a lease at least that long. (With
-                # replicas, the grant may not have reached them yet: the
-                # waiter returns once its claim has, and was waited for.)
-                proven = self._proven.get(identifier, asyncio.get_running_loop().time() - self._waiter_ttl)
+            # Granted after the last step that found it queued was sent, for
+            # a waiter timeout: a lease at least that long. Unless much of it
+            # is left -- this process was slow to hear, or stalled, and the
+            # grant may have run out meanwhile -- the waiter returns only once
+            # its claim has found the permit still there, and restarted its
+            # lease. (So it does with replicas: the grant may not have reached
+            # them yet, and the claim waits for them.)
+            proven = self._proven.get(identifier, -math.inf)
+            if not self._replicas and now < proven + self._waiter_ttl / 2:
                 self._confirmed[identifier] = (proven, self._waiter_ttl)
                 waiter.set_result(int(token))
         if self._claims:
@@ -918,16 +922,15 @@ class _Semaphore(ABC):
                 waiter = self._waiters[identifier] = loop.create_future()
                 await self._arrive(identifier)
             sent = loop.time()
+            if waiter is not None:
+                # Queued, if at all, after this: so was any grant handed over by message.
+                self._proven[identifier] = sent
             (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
             confirmed = (sent, self._timeout)
             if waiter is not None:
                 _raise_failure(waiter)  # the object was closed meanwhile: what was granted goes back
             if value == 0 and waiter is not None:
-                self._proven[identifier] = sent
-                self._queued.add(identifier)
-                self._listen()  # the pump's next heartbeat proves this waiter alive too
-                self._recheck_when(reply)
-                value = await _granted_within(waiter, None if deadline is None else max(0.0, deadline - loop.time()))
+                value = await self._wait_in_queue(identifier, waiter, reply, deadline)
                 confirmed = self._confirmed.get(identifier, confirmed)
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
@@ -943,15 +946,7 @@ class _Semaphore(ABC):
                 await self._give_up(identifier)
             raise
         finally:
-            self._waiters.pop(identifier, None)
-            self._queued.discard(identifier)
-            self._proven.pop(identifier, None)
-            self._confirmed.pop(identifier, None)
-            self._forget(identifier)
-            if waiter is not None:
-                _failure(waiter)  # read: failed by `aclose` for a caller gone meanwhile, it is not news
-            if not self._waiters:
-                self._unlisten()
+            self._leave(identifier, waiter)
         if value > 0:
             return Permit(self._name, identifier, value, self._keys.base, time.monotonic()), *confirmed
         if value == LIMIT_MISMATCH:
@@ -961,6 +956,28 @@ class _Semaphore(ABC):
         if waiter is not None:
             await self._give_up(identifier)
         return None
+
+    def _leave(self, identifier: str, waiter: asyncio.Future[int] | None) -> None:
+        """Forget an acquire that has ended, whichever way."""
+        self._waiters.pop(identifier, None)
+        self._queued.discard(identifier)
+        self._proven.pop(identifier, None)
+        self._confirmed.pop(identifier, None)
+        self._forget(identifier)
+        if waiter is not None:
+            _failure(waiter)  # read: failed by `aclose` for a caller gone meanwhile, it is not news
+        if not self._waiters:
+            self._unlisten()
+
+    async def _wait_in_queue(
+        self, identifier: str, waiter: asyncio.Future[int], reply: Reply, deadline: float | None
+    ) -> int:
+        """Wait, queued, for ``waiter`` to be granted until ``deadline`` (loop time): its token, or 0 if too late."""
+        self._queued.add(identifier)
+        self._listen()  # the pump's next heartbeat proves this waiter alive too
+        self._recheck_when(reply)
+        loop = asyncio.get_running_loop()
+        return await _granted_within(waiter, None if deadline is None else max(0.0, deadline - loop.time()))
 
     async def _give_up(self, *identifiers: str) -> None:
         """Leave the queue, give back any permit, and refuse a grant still on its way.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -10,7 +13,7 @@ import anyio.lowlevel
 import pytest
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, SemaphoreStatistics, recipes
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreStatistics, recipes
 from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
 from tests.faults import proxied_client
 
@@ -443,3 +446,59 @@ async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
         await sem.aclose()
         await other.aclose()
         await client.aclose()
+
+
+async def test_a_grant_heard_after_a_stall_past_the_waiter_timeout_is_claimed_before_it_is_returned(
+    cls: SemaphoreClass, redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    # Another process hands the waiter the permit, and the waiter's process
+    # stalls (its event loop blocked) past the waiter timeout the grant was
+    # stamped with: the grant may be gone by the time the message is read.
+    # The waiter returns only once its claim has answered -- here, with a
+    # permit of its own, queued again and granted at once -- and never with
+    # one already reaped, which would end its block with `PermitLost`.
+    await admin_client.flushdb()
+    waiter_client = redis_server.client()
+    other = cls(admin_client, "stalled-hand-off", 1, waiter_timeout=0.3)
+    sem = cls(waiter_client, "stalled-hand-off", 1, waiter_timeout=0.3)
+    outcome: list[object] = []
+
+    async def hold() -> None:
+        try:
+            async with sem as permit:
+                outcome.append(permit)
+        except PermitLost as lost:
+            outcome.append(lost)
+
+    def release_from_another_process(permit: Permit) -> None:
+        async def release() -> None:
+            client = redis_server.admin_client()
+            try:
+                assert await cls(client, "stalled-hand-off", 1, waiter_timeout=0.3).release(permit)
+            finally:
+                await client.aclose()
+
+        time.sleep(0.05)  # once the waiter's process has stalled
+        asyncio.run(release())
+
+    try:
+        holder = await other.acquire()
+        assert holder is not None
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(hold)
+                await wait_until_queued(other, 1)
+                while not sem._subscribed:  # noqa: ASYNC110 -- set in the background: no event says so
+                    await anyio.sleep(0.01)
+                releasing = threading.Thread(target=release_from_another_process, args=(holder,))
+                releasing.start()
+                # The waiter's process stalls; meanwhile the permit is handed to it, by message.
+                time.sleep(0.6)  # noqa: ASYNC251 -- the fault, on purpose
+                releasing.join()
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], Permit)
+        assert await other.count() == 0
+    finally:
+        await sem.aclose()
+        await other.aclose()
+        await waiter_client.aclose()
