@@ -822,9 +822,11 @@ class _Semaphore(ABC):
         returns it. A permit handed over by another process starts with a
         lease of ``waiter_timeout``, restarted for a whole ``timeout`` by a
         claim sent at once in the background. ``blocking_timeout`` bounds
-        the wait in the queue; the first blocking call of a semaphore object
-        also subscribes to its channel (at most 5 s), and
-        `AsyncLockedSemaphore` may wait out a busy lock before it is queued.
+        the whole call, counted from the call: nothing set up once (an
+        object's subscription, a check of the server) is waited for, but
+        `AsyncLockedSemaphore` may wait out a busy step lock before it is
+        queued. Calls made in order in one process are sent, and served, in
+        that order, from the first call on.
 
         With ``auto_refresh``, the permit is kept alive in the background
         (every ``refresh_interval``) until it is released; if it is lost
@@ -857,6 +859,8 @@ class _Semaphore(ABC):
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease; or the queue forgot this waiter and would
                 not take it back.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
@@ -1107,6 +1111,8 @@ class _Semaphore(ABC):
             ValueError: ``permit`` belongs to another semaphore.
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
@@ -1145,6 +1151,8 @@ class _Semaphore(ABC):
             ValueError: ``permit`` belongs to another semaphore.
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
         """
         permit = self._check_permit(permit)
@@ -1340,6 +1348,8 @@ class _Semaphore(ABC):
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease.
             RuntimeError: The semaphore is in use by another event loop.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
         """
         return (await self._census()).holders
@@ -1363,19 +1373,24 @@ class _Semaphore(ABC):
         A read-only look: nothing is reaped or handed off.
 
         Raises:
+            OutOfMemory: Redis's memory is full: it refuses even this
+                look, which is one transaction.
             redis.RedisError: Redis failed or could not be reached.
         """
         keys = self._keys
-        leases, owners, time = await detached(
-            transaction(
-                self._client,
-                keys.base,
-                ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-                ("ZRANGE", keys.owner_set, 0, -1),
-                ("TIME",),
-            ),
-            name="aiosem holders",
-        )
+        try:
+            leases, owners, time = await detached(
+                transaction(
+                    self._client,
+                    keys.base,
+                    ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+                    ("ZRANGE", keys.owner_set, 0, -1),
+                    ("TIME",),
+                ),
+                name="aiosem holders",
+            )
+        except redis.exceptions.OutOfMemoryError as error:
+            raise out_of_memory(error, self._name) from None
         now = self._now()
         if now is None:
             now = int(time[0]) + int(time[1]) / 1_000_000
@@ -1437,6 +1452,8 @@ class _Semaphore(ABC):
         Raises:
             AcquireTimeout: No permit within ``blocking_timeout``.
             LimitMismatch: The semaphore is in use with another limit.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
         """
         taken = await self._take(blocking=True, blocking_timeout=DEFAULT)

@@ -402,6 +402,24 @@ async def test_a_step_refused_for_memory_raises_out_of_memory_and_writes_nothing
     assert after == before
 
 
+async def test_a_look_at_the_holders_refused_for_memory_raises_out_of_memory(
+    cls: SemaphoreClass, fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
+) -> None:
+    # A transaction, even of reads only, is refused whole while memory is full.
+    client = fresh_redis_server.client()
+    sem = cls(client, "pressed", LIMIT, timeout=10.0)
+    try:
+        permit = await sem.acquire()
+        assert permit is not None
+        await exhaust_memory(admin)
+        with pytest.raises(OutOfMemory, match=r"^Redis refused a step of semaphore 'pressed': its memory is full"):
+            await sem.holders()
+        await free_memory(admin)
+        assert list(await sem.holders()) == [permit.identifier]
+    finally:
+        await client.aclose()
+
+
 async def test_a_locked_step_whose_commit_is_refused_for_memory_raises_out_of_memory_and_writes_nothing(
     fresh_redis_server: RedisServer, admin: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,7 +27,7 @@ from tests.limiting import isolate
 from tests.support import until_queued
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator
 
     import redis.asyncio
 
@@ -82,7 +82,7 @@ async def fresh_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio
 
 
 @pytest.fixture
-def eager_tasks() -> Iterator[None]:
+async def eager_tasks() -> AsyncIterator[None]:
     """asyncio's eager task factory on the running loop (Python 3.12 and later)."""
     if sys.version_info < (3, 12):
         pytest.skip("asyncio.eager_task_factory is new in Python 3.12")
