@@ -20,8 +20,10 @@ import fakeredis
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+import aiosem
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _config
 from aiosem._connection import check_cluster_support
+from tests.limiting import isolate
 from tests.proxy import TcpProxy
 from tests.support import ACL_MODE, SUITE_USER, FakeClock, RedisServer, find_redis_server, flushed_client, unrestricted
 from tests.topology import RedisClusterGroup, SentinelGroup, SentinelMasterClient
@@ -130,6 +132,15 @@ async def client_admin(client: redis.asyncio.Redis) -> AsyncIterator[redis.async
 def cls(request: pytest.FixtureRequest) -> type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]:
     """Each semaphore class in turn: every contract test runs on both."""
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def unconfigured(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """No configuration nor environment to begin with; aiosem closed in the test's loop, and forgotten, at the end."""
+    isolate(request, monkeypatch)
+    yield
+    await aiosem.aclose()
+    _config._reset()
 
 
 @pytest.fixture

@@ -19,13 +19,13 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _config
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from tests.faults import proxied_client
-from tests.limiting import isolate
 from tests.support import until_queued
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from contextlib import AbstractAsyncContextManager
 
     import redis.asyncio
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from tests.support import RedisServer
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 
 #: The issue's promise: within half a second of the close.
 WITHIN = 0.5
@@ -88,15 +89,13 @@ async def admin(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]
     await client.aclose()
 
 
-async def used_in_contention(cls: SemaphoreClass, client: redis.asyncio.Redis, other: redis.asyncio.Redis) -> None:
-    """Use a semaphore over ``client`` in ``async with``, having waited for another process's permit first."""
-    holder_sem = cls(other, "closing", 1)
+async def used_after_a_wait(limited: AbstractAsyncContextManager[object], holder_sem: Semaphore) -> None:
+    """Enter ``limited`` once, having waited for the permit ``holder_sem`` (another process) held first."""
     holder = await holder_sem.acquire()
     assert holder is not None
-    sem = cls(client, "closing", 1)
 
     async def body() -> None:
-        async with sem:
+        async with limited:
             await asyncio.sleep(0)
 
     with anyio.fail_after(BOUND):
@@ -113,7 +112,7 @@ async def test_closing_the_users_client_leaves_no_task_and_no_connection(
 ) -> None:
     client = redis_server.client(client_name=USERS)
     if contended:
-        await used_in_contention(cls, client, admin)
+        await used_after_a_wait(cls(client, "closing", 1), cls(admin, "closing", 1))
     else:
         sem = cls(client, "closing", 1)
         async with sem:
@@ -153,35 +152,13 @@ async def test_closing_the_semaphore_leaves_no_task_and_no_connection_of_aiosems
     await assert_all_closed_within(admin, WITHIN)
 
 
-@pytest.fixture
-async def unconfigured(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
-    isolate(request, monkeypatch)
-    yield
-    await aiosem.aclose()
-    _config._reset()
-
-
 @pytest.mark.usefixtures("unconfigured")
 @pytest.mark.parametrize("kind", ["fair", "locked"])
 async def test_aiosem_aclose_leaves_no_task_and_no_connection_of_what_it_made(
     redis_server: RedisServer, admin: redis.asyncio.Redis, kind: str
 ) -> None:
     aiosem.configure(url=f"{redis_server.url}?client_name={USERS}", kind=kind)  # type: ignore[arg-type]
-    backend = aiosem.limiter("closing", 1)
-    holder_sem = AsyncFairSemaphore(admin, "closing", 1)
-    holder = await holder_sem.acquire()
-    assert holder is not None
-
-    async def body() -> None:
-        async with backend:
-            await asyncio.sleep(0)
-
-    with anyio.fail_after(BOUND):
-        waiting = asyncio.create_task(body())
-        await until_queued(holder_sem, 1)
-        assert await holder_sem.release(holder)
-        await waiting
-    await holder_sem.aclose()
+    await used_after_a_wait(aiosem.limiter("closing", 1), AsyncFairSemaphore(admin, "closing", 1))
     await aiosem.aclose()
     await assert_all_closed_within(admin, WITHIN)
     await assert_none_made_again(admin, 1.0)

@@ -20,14 +20,14 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _config
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._scripts import FAIR_RELEASE
 from tests.faults import proxied_client
-from tests.limiting import isolate
 from tests.support import until_queued
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from contextlib import AbstractAsyncContextManager
 
     import redis.asyncio
 
@@ -52,12 +52,12 @@ async def turns(count: int) -> None:
         await asyncio.sleep(0)
 
 
-async def in_arrival_order(sem: Semaphore, gap: int, *, hold: float = 0.01) -> list[int]:
-    """Start `CALLERS` bodies under ``sem``, ``gap`` loop turns apart; return the order they ran in."""
+async def in_arrival_order(limited: AbstractAsyncContextManager[object], gap: int, *, hold: float = 0.01) -> list[int]:
+    """Start `CALLERS` bodies under ``limited``, ``gap`` loop turns apart; return the order they ran in."""
     order: list[int] = []
 
     async def body(number: int) -> None:
-        async with sem:
+        async with limited:
             order.append(number)
             await anyio.sleep(hold)
 
@@ -249,15 +249,6 @@ async def test_a_waiter_that_gives_up_as_the_permit_reaches_it_leaves_everyone_t
 # --- 5. the decorators and limiters, configured by URL ------------------------------------
 
 
-@pytest.fixture
-async def unconfigured(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
-    """No configuration nor environment to begin with; aiosem closed, and forgotten, at the end."""
-    isolate(request, monkeypatch)
-    yield
-    await aiosem.aclose()
-    _config._reset()
-
-
 @pytest.mark.parametrize("gap", [0, 1, 2, 4, 8, 16])
 @pytest.mark.usefixtures("unconfigured")
 async def test_the_first_calls_through_a_limiter_run_in_arrival_order(
@@ -268,21 +259,7 @@ async def test_the_first_calls_through_a_limiter_run_in_arrival_order(
     await admin.aclose()
     aiosem.configure(url=redis_server.url, kind=kind)  # type: ignore[arg-type]
     try:
-        order: list[int] = []
-        backend = aiosem.limiter(f"first-calls-{kind}", 1)
-
-        async def body(number: int) -> None:
-            async with backend:
-                order.append(number)
-                await anyio.sleep(0.01)
-
-        callers = []
-        for number in range(CALLERS):
-            callers.append(asyncio.create_task(body(number)))
-            await turns(gap)
-        with anyio.fail_after(BOUND):
-            await asyncio.gather(*callers)
-        assert order == list(range(CALLERS))
+        assert await in_arrival_order(aiosem.limiter(f"first-calls-{kind}", 1), gap) == list(range(CALLERS))
     finally:
         await aiosem.aclose()
 
