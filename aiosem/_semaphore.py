@@ -584,14 +584,15 @@ class _Semaphore(ABC):
                 continue
             self._claims.add(identifier)
             # Granted after the last step that found it queued was sent, for
-            # a waiter timeout: a lease at least that long. Unless much of it
-            # is left -- this process was slow to hear, or stalled, and the
-            # grant may have run out meanwhile -- the waiter returns only once
-            # its claim has found the permit still there, and restarted its
-            # lease. (So it does with replicas: the grant may not have reached
-            # them yet, and the claim waits for them.)
+            # a waiter timeout: a lease at least that long. Unless a third of
+            # it is sure to be left -- as a heartbeat a third of a waiter
+            # timeout ago makes it, and a process slow to hear, or stalled,
+            # does not -- the waiter returns only once its claim has found
+            # the permit still there, and restarted its lease. (So it does
+            # with replicas: the grant may not have reached them yet, and the
+            # claim waits for them.)
             proven = self._proven.get(identifier, -math.inf)
-            if not self._replicas and now < proven + self._waiter_ttl / 2:
+            if not self._replicas and now < proven + self._waiter_ttl * 2 / 3:
                 self._confirmed[identifier] = (proven, self._waiter_ttl)
                 waiter.set_result(int(token))
         if self._claims:

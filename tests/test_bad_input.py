@@ -933,6 +933,12 @@ def rates_refusal(rates: object) -> tuple[type[Exception], str] | None:
             refusal = rate_refusal(argument, value)
             if refusal is not None:
                 return refusal[0], re.escape(f"rates[{name!r}]: ") + refusal[1]
+        per = parts[1] if len(parts) > 1 else 1.0
+        if per / parts[0] > 1e9:
+            # Redis cannot keep an interval that long as a TTL.
+            return ValueError, re.escape(
+                f"rates[{name!r}]: per / rate, the time between two calls, must be at most 1e+09 s"
+            )
     return None
 
 
