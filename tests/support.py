@@ -425,6 +425,20 @@ async def two_processes(
             await client.aclose()
 
 
+async def until_subscribed(semaphore: Semaphore) -> None:
+    """Wait until ``semaphore``'s channel is subscribed (bounded to 5 s).
+
+    An object subscribes in the background once a waiter of its is queued:
+    a grant published before the server confirmed it is not heard by
+    message (the object re-checks its waiters once the subscription is
+    confirmed). A test that means a hand-off to come by message waits for
+    this first.
+    """
+    with anyio.fail_after(5):
+        while not semaphore._subscribed or semaphore._subscribing is not None:  # noqa: ASYNC110 -- set in the background
+            await asyncio.sleep(0.002)
+
+
 async def until_queued(semaphore: Semaphore, count: int = 1) -> None:
     """Wait until Redis lists ``count`` waiters of ``semaphore`` (bounded to 5 s)."""
     with anyio.fail_after(5):

@@ -24,6 +24,7 @@ from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, P
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
 from tests.proxy import TcpProxy
+from tests.support import until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -273,6 +274,7 @@ async def test_a_waiter_cancelled_as_another_process_hands_it_the_permit_passes_
     assert holder is not None
     first = asyncio.create_task(waiting.acquire())
     await until_queued(waiting, 1)
+    await until_subscribed(waiting)  # `first`'s grant comes by message
     second = asyncio.create_task(waiting.acquire())
     await until_queued(waiting, 2)
 

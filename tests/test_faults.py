@@ -43,7 +43,7 @@ from tests.faults import (
     report,
     step_bound,
 )
-from tests.support import until_queued
+from tests.support import until_queued, until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -267,6 +267,7 @@ async def test_a_killed_pub_sub_connection_is_restored_and_wakes_waiters_by_mess
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(wait)
             await until_queued(holder_side, 1)
+            await until_subscribed(waiter_side)
             channel = waiter_side._keys.channels + waiter_side._process
             cut = anyio.current_time()
             assert await admin.client_kill_filter(_type="pubsub") >= 1
@@ -501,32 +502,48 @@ async def test_a_call_queued_behind_a_stalled_step_gives_up_within_one_bound_of_
 
 @pytest.mark.slow
 async def test_after_a_partition_heals_waiters_are_woken_by_message_again(
-    proxy: TcpProxy, redis_server: RedisServer
+    proxy: TcpProxy, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One pub/sub code path serves both classes: the fair one stands for both.
     waiter_client, holder_client = proxied_client(proxy, redis_server), redis_server.client()
     # A heartbeat every 10 s: a waiter woken within a second of the release was woken by a message.
     waiter_side = AsyncFairSemaphore(waiter_client, "healed", 1, timeout=60.0, waiter_timeout=30.0)
     holder_side = AsyncFairSemaphore(holder_client, "healed", 1, timeout=60.0, waiter_timeout=30.0)
+    # A waiter of another semaphore, on the same client, queued throughout: an object lets go of its
+    # subscription once it has no waiter, so this one keeps the client's pub/sub connection open.
+    keeper = AsyncFairSemaphore(waiter_client, "healed-keeper", 1, timeout=60.0, waiter_timeout=30.0)
+    keeper_holder = AsyncFairSemaphore(holder_client, "healed-keeper", 1, timeout=60.0, waiter_timeout=30.0)
+    messages: list[str] = []
+    hear = AsyncFairSemaphore._on_message
+
+    def recording(self: AsyncFairSemaphore, message: str) -> None:
+        if self is waiter_side:
+            messages.append(message)
+        hear(self, message)
+
+    monkeypatch.setattr(AsyncFairSemaphore, "_on_message", recording)
     rounds = 0
     began = anyio.current_time()
     try:
-        warm = await waiter_side.acquire(blocking_timeout=PATIENCE)  # subscribes
-        assert warm is not None
-        await waiter_side.release(warm)
-        # Only the pub/sub connection is left open to be cut off; it stays stalled after the heal.
-        await waiter_client.connection_pool.disconnect(inuse_connections=False)
-        proxy.partition()
-        await anyio.sleep(OUTAGE)  # the fault
-        proxy.heal()
-        began = anyio.current_time()
-        # The stalled connection is found out by an unanswered PING, and replaced: until then a
-        # hand-off reaches the waiter only by its next re-check, far later than a second.
-        with anyio.fail_after(BOUND):
-            while not await woken_by_message(holder_side, waiter_side):
-                rounds += 1
+        assert await keeper_holder.acquire() is not None
+        async with anyio.create_task_group() as keeping:
+            keeping.start_soon(keeper.acquire)
+            await until_queued(keeper_holder, 1)
+            await until_subscribed(keeper)
+            # Only the pub/sub connection is left open to be cut off; it stays stalled after the heal.
+            await waiter_client.connection_pool.disconnect(inuse_connections=False)
+            proxy.partition()
+            await anyio.sleep(OUTAGE)  # the fault
+            proxy.heal()
+            began = anyio.current_time()
+            # The stalled connection is found out by an unanswered PING, and replaced: until then a
+            # hand-off reaches the waiter only by its next re-check, far later than a second.
+            with anyio.fail_after(BOUND):
+                while not await woken_by_message(holder_side, waiter_side, messages):
+                    rounds += 1
+            keeping.cancel_scope.cancel()
     finally:
-        for semaphore in (waiter_side, holder_side):
+        for semaphore in (waiter_side, holder_side, keeper, keeper_holder):
             await semaphore.aclose()
         for client in (waiter_client, holder_client):
             await client.aclose()
@@ -538,10 +555,16 @@ async def test_after_a_partition_heals_waiters_are_woken_by_message_again(
     )
 
 
-async def woken_by_message(holder_side: AsyncFairSemaphore, waiter_side: AsyncFairSemaphore) -> bool:
-    """Hand a permit from ``holder_side`` to a waiter of ``waiter_side``: was it woken within a second?"""
+async def woken_by_message(
+    holder_side: AsyncFairSemaphore, waiter_side: AsyncFairSemaphore, messages: list[str]
+) -> bool:
+    """Hand a permit from ``holder_side`` to a waiter of ``waiter_side``: was it woken by a message, within a second?
+
+    ``messages`` is where ``waiter_side`` records the grant messages it hears.
+    """
     held = await holder_side.acquire()
     assert held is not None
+    heard = len(messages)
     woken = anyio.Event()
 
     async def wait() -> None:
@@ -556,8 +579,10 @@ async def woken_by_message(holder_side: AsyncFairSemaphore, waiter_side: AsyncFa
         await holder_side.release(held)
         with anyio.move_on_after(1.0):
             await woken.wait()
-        tasks.cancel_scope.cancel()
-    return woken.is_set()
+        if not woken.is_set():
+            tasks.cancel_scope.cancel()  # woken late: the waiter need wait no longer (it releases if granted)
+    # Not by a re-check: one also follows a subscription that failed.
+    return woken.is_set() and len(messages) > heard
 
 
 # --- 3. The server paused longer than the lease --------------------------------------------------

@@ -16,6 +16,7 @@ import redis.asyncio
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreStatistics, recipes
 from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
 from tests.faults import proxied_client
+from tests.support import until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -337,6 +338,7 @@ async def handed_over(
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(wait)
             await wait_until_queued(holder_side, 1)
+            await until_subscribed(waiter_side)  # the grant comes by message
             proxy.hold_requests(at=FAIR_REFRESH.sha.encode())  # every claim and heartbeat from now on
             assert await holder_side.release(held)
     assert got[0] is not None
@@ -432,6 +434,7 @@ async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
                 proxy.hold_replies(after=FAIR_ACQUIRE.sha.encode())  # the queueing again, answered late
                 await admin_client.delete(f"{sem.key}:queue", f"{sem.key}:waiters")
                 await wait_until_queued(other, 1)  # queued again by the next heartbeat's re-check
+                await until_subscribed(sem)
                 assert await other.release(holder)  # handed over, by message
                 await entered.wait()
                 proxy.release_replies()
@@ -488,8 +491,7 @@ async def test_a_grant_heard_after_a_stall_past_the_waiter_timeout_is_claimed_be
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(hold)
                 await wait_until_queued(other, 1)
-                while not sem._subscribed:  # noqa: ASYNC110 -- set in the background: no event says so
-                    await anyio.sleep(0.01)
+                await until_subscribed(sem)
                 releasing = threading.Thread(target=release_from_another_process, args=(holder,))
                 releasing.start()
                 # The waiter's process stalls; meanwhile the permit is handed to it, by message.
