@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._connection import Client, publish_command, text
+from ._connection import Client, publish_command
+from ._protocol import Operation, Reply, Step, parse_reply
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
-from ._semaphore import Operation, Reply, _Semaphore
+from ._semaphore import _Semaphore
 from ._timing import step_bound
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncFairSemaphore", "fair_step"]
 
-_SCRIPTS = {"acquire": FAIR_ACQUIRE, "release": FAIR_RELEASE, "refresh": FAIR_REFRESH}
+_SCRIPTS = {Operation.ACQUIRE: FAIR_ACQUIRE, Operation.RELEASE: FAIR_RELEASE, Operation.REFRESH: FAIR_REFRESH}
 
 
 def format_now(now: float | None) -> str:
@@ -26,30 +27,9 @@ def format_now(now: float | None) -> str:
     return "" if now is None else repr(now)
 
 
-def parse_reply(raw: Sequence[Any], count: int, replicated: int | None = None) -> Reply:
-    """Read the reply every fair step returns (see ``lua/_prelude.lua``)."""
-    next_expiry = int(raw[2])
-    relayed = 2 * int(raw[3])
-    handed = raw[4 + count : len(raw) - relayed]
-    run = raw[len(raw) - relayed :]
-    return Reply(
-        holders=int(raw[0]),
-        waiting=int(raw[1]),
-        next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
-        values=tuple(int(value) for value in raw[4 : 4 + count]),
-        granted=_pairs(handed),
-        replicated=replicated,
-        relayed=_pairs(run),
-    )
-
-
-def _pairs(flat: Sequence[Any]) -> tuple[tuple[str, int], ...]:
-    return tuple((text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-
-
 async def fair_step(
     client: Client,
-    operation: Operation,
+    step: Step,
     keys: SemaphoreKeys,
     identifiers: Sequence[str],
     *,
@@ -58,7 +38,6 @@ async def fair_step(
     limit: int | None,
     waiter_ttl: float,
     caller: str = "",
-    mode: str = "",
     call: str = "",
     relays: bool = False,
     replicas: int = 0,
@@ -82,13 +61,13 @@ async def fair_step(
         caller,
         keys.channels,
         publish_command(client),
-        mode,
+        step.mode,
         call,
         repr(step_bound(lease)),
         "1" if relays else "",
         *identifiers,
     ]
-    script = _SCRIPTS[operation]
+    script = _SCRIPTS[step.operation]
     script_keys = (*keys.fair, keys.receipt(call))
     if not replicas:
         return parse_reply(await script.run(client, script_keys, args), len(identifiers))
@@ -184,10 +163,10 @@ class AsyncFairSemaphore(_Semaphore):
             replicas=replicas,
         )
 
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply:
+    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply:
         return await fair_step(
             self._client,
-            operation,
+            step,
             self._keys,
             identifiers,
             now=self._now(),
@@ -195,11 +174,10 @@ class AsyncFairSemaphore(_Semaphore):
             limit=self._limit,
             waiter_ttl=self._waiter_ttl,
             caller=self._process,
-            mode=mode,
             call=call,
             # A relayed permit's next holder is told before Redis is: with
             # replicas to wait for, every grant waits for them instead.
             relays=not self._replicas,
-            replicas=self._replicas_for(operation, mode),
+            replicas=self._replicas_for(step),
             replication_timeout=self._waiter_ttl,
         )

@@ -18,7 +18,8 @@ from ._connection import Client, Command, PinnedConnection, pinned_connection, p
 from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._observing import log_fields
-from ._semaphore import LIMIT_MISMATCH, Operation, Reply, _Semaphore
+from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._semaphore import _Semaphore
 from ._timing import Bound
 from ._validation import check_timeout
 
@@ -142,7 +143,7 @@ class AsyncLockedSemaphore(_Semaphore):
         share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(self._timeout, self._waiter_ttl) * _LOCK_SHARE * 1000))
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
         #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
-        self._lock_seen_busy: set[tuple[Operation, str]] = set()
+        self._lock_seen_busy: set[Step] = set()
         #: Unlocks under way after interrupted steps, for `aclose` to wait for.
         self._unlocking: set[asyncio.Task[None]] = set()
         #: The tickets of waiters not yet queued.
@@ -199,7 +200,7 @@ class AsyncLockedSemaphore(_Semaphore):
                 with anyio.CancelScope(shield=True):
                     await asyncio.wait(unlocking)
 
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply | None:
+    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
         # say -- would take the lock and be cancelled holding it, before
         # its first reply: let the cancellation land before anything is sent.
@@ -212,7 +213,7 @@ class AsyncLockedSemaphore(_Semaphore):
         # A waiter's place in the queue is its ticket, drawn outside the lock
         # when it arrived (or here, for one queued again) and kept through
         # retries: waiting out a busy lock never costs it its place.
-        unticketed = [m for m in members if m not in self._tickets] if mode == "wait" else []
+        unticketed = [m for m in members if m not in self._tickets] if step is Step.WAIT else []
         reads = self._reads(members, call, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
         # the lock may be ours: a compare-and-delete with our own owner value
@@ -222,7 +223,7 @@ class AsyncLockedSemaphore(_Semaphore):
         try:
             async with pinned_connection(self._client, self._keys.lock) as connection:
                 locked = True
-                replies = await self._lock_and_read(connection, owner, (operation, mode), unticketed, reads)
+                replies = await self._lock_and_read(connection, owner, step, unticketed, reads)
                 if replies is None:
                     locked = False
                     return None
@@ -256,8 +257,8 @@ class AsyncLockedSemaphore(_Semaphore):
                     receipt_seconds=self._step_bound,
                     earlier_receipt=connection.encode(replies[15]) if call and replies[15] is not None else b"",
                 )
-                reply = plan.run(operation, mode, members)
-                committed, reply = await self._commit(connection, plan, reply, operation, mode)
+                reply = plan.run(step, members)
+                committed, reply = await self._commit(connection, plan, reply, step)
                 locked = committed is None
                 if not locked:
                     for member in members:
@@ -302,7 +303,7 @@ class AsyncLockedSemaphore(_Semaphore):
         self,
         connection: PinnedConnection,
         owner: str,
-        lane: tuple[Operation, str],
+        lane: Step,
         unticketed: Sequence[bytes],
         reads: Sequence[Command],
     ) -> list[Any] | None:
@@ -342,12 +343,10 @@ class AsyncLockedSemaphore(_Semaphore):
         self._lock_seen_busy.discard(lane)
         return replies
 
-    async def _commit(
-        self, connection: PinnedConnection, plan: _Plan, reply: Reply, operation: Operation, mode: str
-    ) -> tuple[Any, Reply]:
+    async def _commit(self, connection: PinnedConnection, plan: _Plan, reply: Reply, step: Step) -> tuple[Any, Reply]:
         """Write what ``plan`` decided and free the lock, in one transaction: EXEC's reply, and the step's."""
         commit: list[Command] = [("MULTI",), *plan.writes, ("DEL", self._keys.lock), ("EXEC",)]
-        replicas = self._replicas_for(operation, mode)
+        replicas = self._replicas_for(step)
         if replicas:
             # On the connection that wrote: WAIT counts its writes.
             commit.append(("WAIT", replicas, max(1, math.ceil(self._waiter_ttl * 1000))))
@@ -491,10 +490,13 @@ class _Plan:
         self.heads = [member for member, _ in sorted(queue_head.items(), key=_by_score) if member not in gone]
         self.queued = {member for member in queued if member not in gone}
 
-    def run(self, operation: Operation, mode: str, members: Sequence[bytes]) -> Reply:
-        act = {"acquire": self._acquire, "release": self._release, "refresh": self._refresh}[operation]
+    def run(self, step: Step, members: Sequence[bytes]) -> Reply:
+        operation = step.operation
+        act = {Operation.ACQUIRE: self._acquire, Operation.RELEASE: self._release, Operation.REFRESH: self._refresh}[
+            operation
+        ]
         keys = self.keys
-        if operation == "acquire":
+        if operation is Operation.ACQUIRE:
             self._hand_off()
             # Another limit counts only while somebody holds or waits under it.
             self.mismatch = bool(
@@ -503,17 +505,17 @@ class _Plan:
                 and self.stored_limit != self.limit
                 and (self.owners or self.queue_size > 0)
             )
-        values = [act(member, mode) for member in members]
+        values = [act(member, step) for member in members]
         if self.receipt is not None:
             # As the release script: what an earlier try released counts as released.
             values = [value or int(self.earlier_receipt[i : i + 1] == b"1") for i, value in enumerate(values)]
             if any(values):
                 receipt = "".join(str(value) for value in values)
                 self.writes.append(("SET", self.receipt, receipt, "PX", math.ceil(self.receipt_seconds * 1000)))
-        if operation == "acquire" and members and not self.mismatch and self.stored_limit != self.limit:
+        if operation is Operation.ACQUIRE and members and not self.mismatch and self.stored_limit != self.limit:
             self.writes.append(("SET", keys.limit, self.limit))
         self._write_refreshes()
-        if operation != "acquire":
+        if operation is not Operation.ACQUIRE:
             self._hand_off()
         if self.counter > self.initial_counter:
             # The counter is watched: nobody else wrote it since it was read.
@@ -575,12 +577,12 @@ class _Plan:
         for owner, grants in messages.items():
             self.writes.append((self.publish, self.keys.channels + owner.decode(), "".join(grants)))
 
-    def _acquire(self, member: bytes, mode: str) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
+    def _acquire(self, member: bytes, step: Step) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
         keys = self.keys
         if member in self.cancelled:
             self.cancelled.discard(member)
             self.writes.append(("ZREM", keys.cancelled, member))
-            return -2
+            return TOMBSTONED
         if member in self.owners:
             self.leases[member] = self.now
             self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(self.now), member))
@@ -588,13 +590,13 @@ class _Plan:
         alive_until = _seconds(self.now + self.waiter_ttl)
         if member in self.queued:
             self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
-            return 0
+            return QUEUED
         if self.mismatch:
             return LIMIT_MISMATCH
         if self.queue_size == 0 and len(self.owners) < self.limit:
             return self._grant(member, self.now)
-        if mode != "wait":
-            return -1
+        if step is not Step.WAIT:
+            return REFUSED
         self.queue_size += 1
         self.queued.add(member)
         self.writes += [
@@ -603,13 +605,13 @@ class _Plan:
         ]
         return 0
 
-    def _release(self, member: bytes, mode: str) -> int:
+    def _release(self, member: bytes, step: Step) -> int:
         keys = self.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
             self.writes += [("ZREM", keys.owner_set, member), ("ZREM", keys.timeout_set, member)]
             return 1
-        if mode == "cancel":
+        if step is Step.CANCEL:
             if member in self.queued:
                 self._leave_queue([member])
                 if member in self.heads:
@@ -624,15 +626,15 @@ class _Plan:
                 ]
         return 0
 
-    def _refresh(self, member: bytes, mode: str) -> int:
+    def _refresh(self, member: bytes, _step: Step) -> int:
         if member in self.owners:
             self.leases[member] = self.now
             self.refreshed_holders.append(member)
             return self.owners[member]
         if member in self.queued:
             self.refreshed_waiters.append(member)
-            return 0
-        return -1
+            return QUEUED
+        return REFUSED
 
     def _write_refreshes(self) -> None:
         # One command for all the holders, one for all the waiters: a batch

@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import anyio
 import redis
@@ -46,6 +46,7 @@ from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLos
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
+from ._protocol import LIMIT_MISMATCH, Reply, Step
 from ._timing import Backoff, Bound, Deadline, step_bound
 from ._validation import (
     check_client,
@@ -65,8 +66,6 @@ if TYPE_CHECKING:
     LostCallback: TypeAlias = Callable[[PermitLost], object]
 
 logger = logging.getLogger("aiosem")
-
-Operation = Literal["acquire", "release", "refresh"]
 
 #: The default waiter timeout, unless the lease is shorter.
 _WAITER_TIMEOUT: Final = 2.0
@@ -89,9 +88,6 @@ _RETRY_PAUSE: Final = 0.05
 #: How often a release whose connection failed is tried again: enough for a
 #: connection closed under it, not to wait out a server that is down.
 _RELEASE_RETRIES: Final = 3
-#: What a step answers for an acquire refused because the semaphore is in
-#: use with another limit.
-LIMIT_MISMATCH: Final = -3
 
 
 class _TimeUp(Exception):
@@ -174,33 +170,6 @@ class Permit:
     fencing_token: int
     key: str
     acquired_at: float = field(default=math.nan, compare=False, repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """What one atomic step in Redis answered.
-
-    Attributes:
-        holders: Permits held once the step was done.
-        waiting: Waiters queued once the step was done.
-        next_expiry: Seconds until the earliest live lease runs out, or
-            ``None`` when nobody holds.
-        values: One result per identifier of the step (see the scripts).
-        granted: The waiters this step handed a permit, with their tokens.
-        replicated: How many replicas acknowledged the step, if it waited
-            for them (``None``: it did not).
-        relayed: The run of the caller's waiters, with their tokens, that
-            the mutex granted to the caller's own waiter is relayed to, in
-            order (see `_Semaphore._relay`).
-    """
-
-    holders: int
-    waiting: int
-    next_expiry: float | None
-    values: tuple[int, ...]
-    granted: tuple[tuple[str, int], ...] = ()
-    replicated: int | None = None
-    relayed: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +283,7 @@ class _Semaphore(ABC):
         #: channel begin with it.
         self._process = secrets.token_hex(8)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lanes: dict[tuple[Operation, str], Lane[Reply]] = {}
+        self._lanes: dict[Step, Lane[Reply]] = {}
         #: Every waiting acquire's future, and those of them known to be queued.
         self._waiters: dict[str, asyncio.Future[int]] = {}
         self._queued: set[str] = set()
@@ -398,16 +367,16 @@ class _Semaphore(ABC):
         )
 
     @abstractmethod
-    async def _execute(self, operation: Operation, mode: str, identifiers: Sequence[str], call: str) -> Reply | None:
+    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         """Carry out one step atomically; ``None`` if it could not run now and should be retried.
 
         A release with a ``call`` id leaves receipts of what it released, so
         that the same call tried again answers the same (see `_step`).
         """
 
-    def _replicas_for(self, operation: Operation, mode: str) -> int:
+    def _replicas_for(self, step: Step) -> int:
         """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
-        return self._replicas if operation != "release" and mode != "count" else 0
+        return self._replicas if step.waits_for_replicas else 0
 
     @property
     def _step_bound(self) -> float:
@@ -449,19 +418,15 @@ class _Semaphore(ABC):
         self._passing.clear()
         self._run_timer = None
 
-    async def _submit(
-        self, operation: Operation, mode: str, identifiers: Sequence[str] | Submission[Reply]
-    ) -> tuple[Sequence[int], Reply]:
+    async def _submit(self, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> tuple[Sequence[int], Reply]:
         self._bind()
-        lane = self._lanes.get((operation, mode))
+        lane = self._lanes.get(step)
         if lane is None:
-            lane = self._lanes[operation, mode] = Lane(lambda ids, since: self._step(operation, mode, ids, since))
+            lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since))
         submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
         return await lane.submit(submission)
 
-    async def _step(
-        self, operation: Operation, mode: str, identifiers: Sequence[str], waiting_since: float | None = None
-    ) -> Reply:
+    async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
         """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""
         deadline: Deadline | None = None
         # A busy lock is held for a round trip or two; a step that backed off
@@ -472,14 +437,14 @@ class _Semaphore(ABC):
         # carried out: tried again -- by redis-py or here -- under the same
         # id, it reads the first try's receipts, and a permit it released is
         # not mistaken for one lost.
-        call = secrets.token_hex(8) if operation == "release" and mode in ("release", "pass") else ""
+        call = secrets.token_hex(8) if step.leaves_receipts else ""
         spent = 0.0 if waiting_since is None else loop.time() - waiting_since
         while True:
             sent = loop.time()
-            if (reply := await self._bounded_execute(operation, mode, identifiers, call, spent)) is not None:
+            if (reply := await self._bounded_execute(step, identifiers, call, spent)) is not None:
                 break
             spent = 0.0
-            if operation == "acquire" and mode == "try":
+            if step is Step.TRY:
                 reply = Reply(self._last.holders, self._last.waiting, None, (-1,) * len(identifiers))
                 break
             # A step that has to happen may wait out a busy lock for as long
@@ -487,7 +452,7 @@ class _Semaphore(ABC):
             deadline = deadline or Deadline(self._timeout)
             if deadline.passed():
                 raise SemaphoreError(
-                    f"semaphore {self._name!r} stayed busy for {self._timeout:g} s; {operation} not done",
+                    f"semaphore {self._name!r} stayed busy for {self._timeout:g} s; {step.operation.value} not done",
                     name=self._name,
                 )
             await backoff.pause(deadline)
@@ -495,7 +460,7 @@ class _Semaphore(ABC):
         return reply
 
     async def _bounded_execute(
-        self, operation: Operation, mode: str, identifiers: Sequence[str], call: str, spent: float = 0.0
+        self, step: Step, identifiers: Sequence[str], call: str, spent: float = 0.0
     ) -> Reply | None:
         """`_execute`, bounded so that a stalled connection cannot hang a step.
 
@@ -508,10 +473,10 @@ class _Semaphore(ABC):
         redirect: Exception | None = None
         failures = 0
         try:
-            with Bound(self._step_bound, f"a {operation} step of semaphore {self._name!r}", spent=spent):
+            with Bound(self._step_bound, f"a {step.operation.value} step of semaphore {self._name!r}", spent=spent):
                 for attempt in itertools.count():
                     try:
-                        reply = await self._execute(operation, mode, identifiers, call)
+                        reply = await self._execute(step, identifiers, call)
                     except REDIRECTS as error:
                         redirect = error
                         await reroute(self._client, error, attempt)
@@ -633,7 +598,7 @@ class _Semaphore(ABC):
                     self._recheck_at = None
                 try:
                     sent = loop.time()
-                    values, _ = await self._submit("refresh", "", identifiers)
+                    values, _ = await self._submit(Step.REFRESH, identifiers)
                     if everyone:
                         next_beat = loop.time() + heartbeat
                     await self._settle(identifiers, values, sent)
@@ -688,7 +653,7 @@ class _Semaphore(ABC):
             extra=log_fields(self._name),
         )
         sent = asyncio.get_running_loop().time()
-        requeued, _ = await self._submit("acquire", "wait", dropped)
+        requeued, _ = await self._submit(Step.WAIT, dropped)
         for identifier, value in zip(dropped, requeued, strict=True):
             waiter = self._waiters.get(identifier)
             if waiter is None or waiter.done():
@@ -930,7 +895,7 @@ class _Semaphore(ABC):
             if waiter is not None:
                 # Queued, if at all, after this: so was any grant handed over by message.
                 self._proven[identifier] = sent
-            (value,), reply = await self._submit("acquire", "try" if waiter is None else "wait", submission)
+            (value,), reply = await self._submit(Step.TRY if waiter is None else Step.WAIT, submission)
             confirmed = (sent, self._timeout)
             if waiter is not None:
                 _raise_failure(waiter)  # the object was closed meanwhile: what was granted goes back
@@ -1009,7 +974,7 @@ class _Semaphore(ABC):
         for identifier in relayed:
             await self._relay(identifier)
         if others:
-            await self._submit("release", "cancel", others)
+            await self._submit(Step.CANCEL, others)
 
     async def _relay(self, identifier: str) -> bool:
         """Give up a relayed mutex: to the next waiter of its run at once, else to the queue; ``True`` if it was held.
@@ -1041,7 +1006,7 @@ class _Semaphore(ABC):
                 break
         sent = loop.time()
         try:
-            values, _ = await self._submit("release", "pass", (identifier, successor, str(token) if token else ""))
+            values, _ = await self._submit(Step.PASS, (identifier, successor, str(token) if token else ""))
         finally:
             self._passing.discard(successor)
         if successor and values[1] > 0:
@@ -1131,7 +1096,7 @@ class _Semaphore(ABC):
         if permit.identifier in self._relayed:
             released = int(await self._relay(permit.identifier))
         else:
-            (released,), _ = await self._submit("release", "release", (permit.identifier,))
+            (released,), _ = await self._submit(Step.RELEASE, (permit.identifier,))
         if released == 1:
             emit_permit("released", permit)
         elif hold is not None:
@@ -1158,7 +1123,7 @@ class _Semaphore(ABC):
         """
         permit = self._check_permit(permit)
         sent = asyncio.get_running_loop().time()
-        (token,), _ = await self._submit("refresh", "", (permit.identifier,))
+        (token,), _ = await self._submit(Step.REFRESH, (permit.identifier,))
         # A permit relayed to it is held, though Redis has not heard yet.
         held = token > 0 or permit.identifier in self._passing
         if token > 0:
@@ -1249,7 +1214,7 @@ class _Semaphore(ABC):
             return None
         with anyio.move_on_after(until - loop.time()):
             try:
-                values, _ = await self._submit("refresh", "", [hold.permit.identifier for hold in holds])
+                values, _ = await self._submit(Step.REFRESH, [hold.permit.identifier for hold in holds])
             except Exception:
                 self._refresh_failures += 1
                 if self._refresh_failures == 1:
@@ -1318,11 +1283,11 @@ class _Semaphore(ABC):
             del self._relayed[hold.permit.identifier]
         outcomes: list[tuple[Hold, int]] = []
         if plain:
-            values, _ = await self._submit("release", "release", [hold.permit.identifier for hold in plain])
+            values, _ = await self._submit(Step.RELEASE, [hold.permit.identifier for hold in plain])
             outcomes += zip(plain, values, strict=True)
         if relayed:
             passes = [part for hold in relayed for part in (hold.permit.identifier, "", "")]
-            values, _ = await self._submit("release", "pass", passes)
+            values, _ = await self._submit(Step.PASS, passes)
             outcomes += zip(relayed, values[::3], strict=True)
         for hold, value in outcomes:
             emit_permit("released" if value == 1 else "lost", hold.permit)
@@ -1365,7 +1330,7 @@ class _Semaphore(ABC):
         return (await self._census()).waiting
 
     async def _census(self) -> Reply:
-        _, reply = await self._submit("acquire", "count", ())
+        _, reply = await self._submit(Step.COUNT, ())
         return reply
 
     async def holders(self) -> dict[str, float]:

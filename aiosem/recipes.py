@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Literal
 from ._exceptions import LimitMismatch
 from ._fair import fair_step, format_now
 from ._keys import SemaphoreKeys
+from ._protocol import LIMIT_MISMATCH, Step
 from ._scripts import BASIC_ACQUIRE, BASIC_RELEASE, LOCK_RELEASE
-from ._semaphore import LIMIT_MISMATCH
 from ._timing import Backoff, Deadline
 from ._validation import check_limit, check_name, check_now, check_timeout, check_wait
 
@@ -139,14 +139,13 @@ async def acquire_fair_semaphore(
     identifier = secrets.token_hex(16)
     reply = await fair_step(
         conn,
-        "acquire",
+        Step.TRY,
         SemaphoreKeys(semname),
         (identifier,),
         now=check_now(now),
         lease=check_timeout(timeout),
         limit=check_limit(limit),
         waiter_ttl=_WAITER_TIMEOUT,
-        mode="try",
     )
     if reply.values[0] == LIMIT_MISMATCH:
         stored = await conn.get(SemaphoreKeys(semname).limit)
@@ -200,19 +199,19 @@ async def _fair_flag(
     timeout: object,
     now: object,
 ) -> bool:
+    step = Step.RELEASE if operation == "release" else Step.REFRESH
     reply = await fair_step(
         conn,
-        operation,
+        step,
         SemaphoreKeys(check_name(semname, "semname")),
         (check_name(identifier, "identifier"),),
         now=check_now(now),
         lease=check_timeout(timeout),
         limit=None,
         waiter_ttl=_WAITER_TIMEOUT,
-        mode=operation,
         # redis-py tries a command again after its connection failed: under
         # the same id, a release whose first reply was lost still says True.
-        call=secrets.token_hex(8) if operation == "release" else "",
+        call=secrets.token_hex(8) if step.leaves_receipts else "",
     )
     return reply.values[0] > 0
 

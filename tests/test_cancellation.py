@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
-    from aiosem._semaphore import Reply
+    from aiosem._protocol import Reply
     from tests.support import RedisServer
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]

@@ -30,6 +30,7 @@ import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimitMismatch, OutOfMemory
 from aiosem._connection import check_eviction_policy
+from aiosem._protocol import Step
 from tests.faults import (
     Load,
     evict_until_gone,
@@ -651,7 +652,7 @@ async def test_with_its_tombstones_evicted_an_acquire_cancelled_on_its_way_takes
         await sem._give_up(late)  # given up before its request reached Redis: refused for a minute
         assert await admin.zcard(f"{sem.key}:cancelled") == 1
         await admin.delete(f"{sem.key}:cancelled")
-        (token,), _ = await sem._submit("acquire", "try", (late,))  # the request arrives after all
+        (token,), _ = await sem._submit(Step.TRY, (late,))  # the request arrives after all
         held = await sem.acquire(blocking=False)
         clock.advance(LEASE)
         after_the_lease = await sem.acquire(blocking=False)
@@ -687,9 +688,9 @@ async def test_with_its_receipt_evicted_a_release_tried_again_answers_that_it_re
     try:
         held = await sem.acquire(blocking=False)
         assert held is not None
-        first = await sem._execute("release", "release", [held.identifier], "c0ffee")
+        first = await sem._execute(Step.RELEASE, [held.identifier], "c0ffee")
         await admin.delete(f"{sem.key}:receipt:c0ffee")
-        again = await sem._execute("release", "release", [held.identifier], "c0ffee")
+        again = await sem._execute(Step.RELEASE, [held.identifier], "c0ffee")
     finally:
         await sem.aclose()
         await client.aclose()

@@ -1,0 +1,143 @@
+"""The step protocol: what a step is asked to do, and what it answers.
+
+Both backends -- the scripts of `AsyncFairSemaphore` and the watched
+transactions of `AsyncLockedSemaphore` -- carry out the same steps and
+answer the same `Reply`; this module is the one place their names, their
+result codes and the scripts' reply format are defined.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from ._connection import text
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "LIMIT_MISMATCH",
+    "QUEUED",
+    "REFUSED",
+    "TOMBSTONED",
+    "Operation",
+    "Reply",
+    "Step",
+    "parse_reply",
+]
+
+
+class Operation(enum.Enum):
+    """Which script a step runs; its value is the script's name after ``fair_``."""
+
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    REFRESH = "refresh"
+
+
+class Step(enum.Enum):
+    """One kind of step: an operation, and the mode it is run in (the scripts' ``ARGV[8]``).
+
+    Every step first reaps expired permits and dead waiters, and hands free
+    permits to the head of the queue.
+    """
+
+    #: Grant to each identifier if a permit is free and nobody is queued; refuse otherwise.
+    TRY = (Operation.ACQUIRE, "try")
+    #: Grant, or else queue, each identifier; prove one already queued alive.
+    WAIT = (Operation.ACQUIRE, "wait")
+    #: Nothing but the reaping and hand-off every step does: the counts it answers.
+    COUNT = (Operation.ACQUIRE, "count")
+    #: Give each identifier's permit back.
+    RELEASE = (Operation.RELEASE, "release")
+    #: Give back each identifier's permit, or leave the queue; an identifier
+    #: neither held nor queued is refused for a while (a tombstone), in case
+    #: its acquire is still on its way.
+    CANCEL = (Operation.RELEASE, "cancel")
+    #: Pass relayed mutexes on: identifiers come in threes (holder,
+    #: successor or '', the successor's token or '').
+    PASS = (Operation.RELEASE, "pass")
+    #: Restart the leases of holders, and prove waiters alive.
+    REFRESH = (Operation.REFRESH, "")
+
+    @property
+    def operation(self) -> Operation:
+        return self.value[0]
+
+    @property
+    def mode(self) -> str:
+        return self.value[1]
+
+    @property
+    def waits_for_replicas(self) -> bool:
+        """Whether a step of this kind waits for the replicas: acquires and refreshes, not releases or counts."""
+        return self.operation is not Operation.RELEASE and self is not Step.COUNT
+
+    @property
+    def leaves_receipts(self) -> bool:
+        """Whether a step of this kind leaves receipts: tried again, it answers what its first try did."""
+        return self in (Step.RELEASE, Step.PASS)
+
+
+# What a step answers for one identifier, besides a fencing token (> 0: held).
+#: Acquire: queued (or, proven alive, still queued). Release: held nothing.
+#: Refresh: a waiter still queued.
+QUEUED: Final = 0
+#: Acquire: not granted, and not queued (a try). Refresh: neither held nor
+#: queued -- a lost permit, or a waiter the queue forgot.
+REFUSED: Final = -1
+#: Acquire: cancelled before it arrived; its tombstone, having served, is gone.
+TOMBSTONED: Final = -2
+#: Acquire: the semaphore is in use -- somebody holds or waits -- with another limit.
+LIMIT_MISMATCH: Final = -3
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What one atomic step in Redis answered.
+
+    Attributes:
+        holders: Permits held once the step was done.
+        waiting: Waiters queued once the step was done.
+        next_expiry: Seconds until the earliest live lease runs out, or
+            ``None`` when nobody holds.
+        values: One result per identifier of the step: a fencing token, or
+            one of the codes above.
+        granted: The waiters this step handed a permit, with their tokens.
+        replicated: How many replicas acknowledged the step, if it waited
+            for them (``None``: it did not).
+        relayed: The run of the caller's waiters, with their tokens, that
+            the mutex granted to the caller's own waiter is relayed to, in
+            order (see ``_relay.py``).
+    """
+
+    holders: int
+    waiting: int
+    next_expiry: float | None
+    values: tuple[int, ...]
+    granted: tuple[tuple[str, int], ...] = ()
+    replicated: int | None = None
+    relayed: tuple[tuple[str, int], ...] = ()
+
+
+def parse_reply(raw: Sequence[Any], count: int, replicated: int | None = None) -> Reply:
+    """Read the reply every fair script returns (see ``lua/_prelude.lua``) for ``count`` identifiers."""
+    next_expiry = int(raw[2])
+    relayed = 2 * int(raw[3])
+    handed = raw[4 + count : len(raw) - relayed]
+    run = raw[len(raw) - relayed :]
+    return Reply(
+        holders=int(raw[0]),
+        waiting=int(raw[1]),
+        next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
+        values=tuple(int(value) for value in raw[4 : 4 + count]),
+        granted=_pairs(handed),
+        replicated=replicated,
+        relayed=_pairs(run),
+    )
+
+
+def _pairs(flat: Sequence[Any]) -> tuple[tuple[str, int], ...]:
+    return tuple((text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
