@@ -133,6 +133,8 @@ class AsyncFairSemaphore(_Semaphore):
 
     __slots__ = ()
 
+    _relays = True
+
     def __init__(
         self,
         client: Client,

@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Final, Protocol
 
 import anyio
 
 from ._coordination import raise_if_cancel_swallowed
 from ._exceptions import PermitLost
 from ._observing import emit_permit, log_fields
+from ._protocol import Step
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
+    from ._core import Core
     from ._semaphore import Permit
 
 logger = logging.getLogger("aiosem")
@@ -178,3 +180,157 @@ class Refresher:
                 if next_at is not None:
                     self._due[semaphore] = next_at
                 self._wake.set()
+
+
+#: Pauses between tries of a failing refresh grow by this much, up to a refresh interval.
+_RETRY_PAUSE: Final = 0.05
+
+
+class Holdings:
+    """The permits one semaphore object keeps alive, refreshed together in one step per round.
+
+    The event loop's `Refresher` decides when each round runs
+    (`refresh_round`); a round refreshes every hold in one step, and a
+    hold whose permit is found gone, or whose lease may have run out while
+    Redis did not answer, is lost.
+    """
+
+    __slots__ = ("__weakref__", "_core", "_failures", "_holds")
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        #: Permits kept alive, by identifier.
+        self._holds: dict[str, Hold] = {}
+        self._failures = 0
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def get(self, identifier: str) -> Hold | None:
+        """The hold of ``identifier``'s permit, if it is kept alive."""
+        return self._holds.get(identifier)
+
+    def reset(self) -> None:
+        """Forget every hold: the object moved to another event loop (the old one is closed)."""
+        self._holds.clear()
+
+    def keep(
+        self,
+        permit: Permit,
+        confirmed_at: float,
+        lease: float,
+        *,
+        scope: anyio.CancelScope | None,
+        on_lost: Callable[[PermitLost], object] | None,
+    ) -> Hold:
+        """Keep ``permit`` (its lease confirmed at ``confirmed_at`` for ``lease`` s) alive until released or lost."""
+        hold = self._holds[permit.identifier] = Hold(
+            permit, confirmed_at=confirmed_at, lease=lease, scope=scope, on_lost=on_lost
+        )
+        Refresher.of_running_loop().schedule(self, self._next_round(hold))
+        return hold
+
+    def drop(self, hold: Hold) -> None:
+        """Stop keeping a permit alive."""
+        if self._holds.get(hold.permit.identifier) is hold:
+            del self._holds[hold.permit.identifier]
+            if not self._holds:
+                Refresher.of_running_loop().cancel(self)
+
+    def confirm(self, identifier: str, sent: float, lease: float) -> None:
+        """A step sent at ``sent`` restarted the lease of ``identifier``'s permit, if it is kept alive."""
+        hold = self._holds.get(identifier)
+        if hold is not None:
+            hold.confirm(sent, lease)
+
+    def lose(self, identifier: str, reason: str) -> bool:
+        """Stop keeping ``identifier``'s permit alive, and tell its holder it is lost: ``True`` if it was kept."""
+        hold = self._holds.get(identifier)
+        if hold is None:
+            return False
+        self.drop(hold)
+        hold.lose(reason)
+        return True
+
+    def close(self) -> list[Hold]:
+        """Stop keeping every permit alive, each marked lost to its holder (which `aclose` releases): the holds."""
+        holds = list(self._holds.values())
+        for hold in holds:
+            self.drop(hold)
+            hold.lost = PermitLost(name=hold.permit.name, identifier=hold.permit.identifier)
+        return holds
+
+    def _next_round(self, hold: Hold) -> float:
+        # A third of the lease still unproven leaves two tries before it runs out.
+        return hold.confirmed_at + min(self._core.semaphore.refresh_interval, hold.lease / 3)
+
+    async def _refresh_round(self) -> float | None:
+        """Refresh every hold in one step; return when the next round is due, if any.
+
+        Called by the event loop's `Refresher`. A failure is retried after a
+        growing pause, never later than the earliest lease could run out;
+        a hold whose lease may have run out meanwhile is lost. A slow step
+        is waited for until that moment, however slow: Redis may have
+        restarted the leases. A step still stalled then goes on in its lane,
+        within its own bound, and its holders hear of their loss at once.
+        """
+        loop = asyncio.get_running_loop()
+        holds = list(self._holds.values())
+        if not holds:
+            return None
+        sent = loop.time()
+        values = await self._refresh_step(holds, until=min(hold.confirmed_at + hold.lease for hold in holds))
+        now = loop.time()
+        relay = self._core.relay
+        for index, hold in enumerate(holds):
+            identifier = hold.permit.identifier
+            if self._holds.get(identifier) is not hold:
+                continue  # released meanwhile
+            if values is None:
+                if hold.expired(now):
+                    self.lose(
+                        identifier, f"Redis did not answer before its lease ({hold.lease:g} s) could have run out"
+                    )
+            elif values[index] > 0:
+                if relay is not None:
+                    relay.confirm(identifier, sent)
+                else:
+                    hold.confirm(sent, self._core.semaphore.timeout)
+            elif relay is None or not relay.passing(identifier):  # else relayed to it, and not yet heard in Redis
+                self.lose(identifier, "a refresh found it gone: its lease ran out, or its keys were deleted")
+        if not self._holds:
+            return None
+        next_round = min(self._next_round(hold) for hold in self._holds.values())
+        if values is None:
+            pause = min(_RETRY_PAUSE * self._failures, self._core.semaphore.refresh_interval)
+            return min(now + pause, next_round, *(h.confirmed_at + h.lease for h in self._holds.values()))
+        self._failures = 0
+        return next_round
+
+    async def _refresh_step(self, holds: list[Hold], until: float) -> Sequence[int] | None:
+        """Refresh ``holds`` in one step, waited for until ``until`` (loop time); ``None`` if it failed or stalled.
+
+        A step still under way at ``until`` goes on in its lane, within its
+        own bound: its answer only comes too late to matter.
+        """
+        loop = asyncio.get_running_loop()
+        if loop.time() >= until:
+            # Too late already (the loop woke from a long block): a step
+            # started now could only come too late, and would take the
+            # locked class's step lock for nothing.
+            return None
+        with anyio.move_on_after(until - loop.time()):
+            try:
+                values, _ = await self._core.submit(Step.REFRESH, [hold.permit.identifier for hold in holds])
+            except Exception:
+                self._failures += 1
+                if self._failures == 1:
+                    logger.warning(
+                        "refreshing the permits held through %r failed; retrying",
+                        self._core.semaphore,
+                        exc_info=True,
+                        extra=log_fields(self._core.semaphore.name),
+                    )
+            else:
+                return values
+        return None

@@ -435,7 +435,7 @@ async def until_subscribed(semaphore: Semaphore) -> None:
     this first.
     """
     with anyio.fail_after(5):
-        while not semaphore._subscribed or semaphore._subscribing is not None:  # noqa: ASYNC110 -- set in the background
+        while not semaphore._core.queue.channel.ready:  # noqa: ASYNC110 -- set in the background
             await asyncio.sleep(0.002)
 
 

@@ -710,12 +710,12 @@ def in_another_loop(step: Callable[[], Awaitable[T]]) -> T:
 
 async def held_on(sem: Semaphore, permit: Permit, within: float = 10.0) -> None:
     """Wait until the background refresher confirms ``permit`` once more (bounded)."""
-    hold = sem._holds[permit.identifier]
+    hold = sem._core.holdings.get(permit.identifier)
     confirmed = hold.confirmed_at
     with anyio.fail_after(within):
         while hold.confirmed_at == confirmed:  # noqa: ASYNC110 -- the refresher's own record; nothing signals it
             await anyio.sleep(0.01)
-    assert sem._holds.get(permit.identifier) is hold
+    assert sem._core.holdings.get(permit.identifier) is hold
 
 
 async def test_a_semaphore_used_from_a_second_event_loop_raises_and_changes_nothing(
@@ -724,7 +724,7 @@ async def test_a_semaphore_used_from_a_second_event_loop_raises_and_changes_noth
     message = "is in use by another event loop; create one semaphore object per loop$"
     async with contextlib.aclosing(on_busy(cls, busy)) as sem:
         async with sem as permit:
-            hold = sem._holds[permit.identifier]
+            hold = sem._core.holdings.get(permit.identifier)
             async with redis_unchanged(busy):
                 steps = (lambda: sem.acquire(blocking=False), sem.count, sem.__aenter__, lambda: sem.refresh(permit))
                 for step in steps:
@@ -732,7 +732,8 @@ async def test_a_semaphore_used_from_a_second_event_loop_raises_and_changes_noth
                         await anyio.to_thread.run_sync(in_another_loop, step)
                 # Closing from another loop is a no-op: the object belongs to this one.
                 await anyio.to_thread.run_sync(in_another_loop, sem.aclose)
-            assert sem._holds == {permit.identifier: hold}
+            assert len(sem._core.holdings) == 1
+            assert sem._core.holdings.get(permit.identifier) is hold
             assert hold.lost is None
         assert await sem.count() == 1  # the busy holder's only
 

@@ -23,6 +23,7 @@ import redis.asyncio
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, _connection
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
+from aiosem._waiting import WaitQueue
 from tests.proxy import TcpProxy
 from tests.support import until_subscribed
 
@@ -229,18 +230,18 @@ async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(
     assert holder is not None
     first = asyncio.create_task(sem.acquire())
     await until_queued(sem, 1)
-    (first_identifier,) = sem._waiters
+    (first_identifier,) = sem._core.queue.queued()
     second = asyncio.create_task(sem.acquire())
     await until_queued(sem, 2)
-    observe = cls._observe
+    observe = WaitQueue.observe
 
-    def cancel_first_on_its_grant(self: Semaphore, reply: Reply, sent: float) -> None:
+    def cancel_first_on_its_grant(self: WaitQueue, reply: Reply, sent: float) -> None:
         observe(self, reply, sent)
         if first_identifier in dict(reply.granted):
-            assert self._waiters[first_identifier].done()  # granted, and `first` has not run since
+            assert self.waiter(first_identifier) is None  # granted, and `first` has not run since
             first.cancel()
 
-    monkeypatch.setattr(cls, "_observe", cancel_first_on_its_grant)
+    monkeypatch.setattr(WaitQueue, "observe", cancel_first_on_its_grant)
     assert await sem.release(holder)  # its own reply hands `first` the permit
     with anyio.fail_after(WAIT):
         permit = await second
@@ -261,15 +262,15 @@ async def test_a_waiter_cancelled_as_another_process_hands_it_the_permit_passes_
     releasing = cls(proxied, "sem", 1)
     waiting = cls(proxied, "sem", 1)
     handed: list[str] = []
-    deliver = cls._on_message
+    deliver = WaitQueue.on_message
 
-    def cancel_first_on_its_grant(self: Semaphore, message: str) -> None:
+    def cancel_first_on_its_grant(self: WaitQueue, message: str) -> None:
         deliver(self, message)
         handed.append(message)
         if len(handed) == 1:
             first.cancel()  # before `first` runs again: its grant is waiting for it
 
-    monkeypatch.setattr(cls, "_on_message", cancel_first_on_its_grant)
+    monkeypatch.setattr(WaitQueue, "on_message", cancel_first_on_its_grant)
     holder = await releasing.acquire()
     assert holder is not None
     first = asyncio.create_task(waiting.acquire())

@@ -396,7 +396,7 @@ async def test_a_lost_permit_stops_a_generator_at_its_next_yield(backend: redis.
     semaphore = next(iter(state().busy.values())).cached
     await backend.delete(semaphore.key, f"{semaphore.key}:owner")
     # The refresher finds the permit gone within a third of the lease.
-    await wait_until(lambda: not semaphore._holds)
+    await wait_until(lambda: not len(semaphore._core.holdings))
     with pytest.raises(PermitLost, match="semaphore 'fragile'"):
         await anext(generator)
     assert not state().busy

@@ -31,6 +31,7 @@ from aiosem._coordination import CLEANUP_TIMEOUT
 from aiosem._scripts import FAIR_RELEASE
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import connect
+from aiosem._waiting import WaitQueue
 from tests.faults import (
     Load,
     PauseKind,
@@ -514,14 +515,14 @@ async def test_after_a_partition_heals_waiters_are_woken_by_message_again(
     keeper = AsyncFairSemaphore(waiter_client, "healed-keeper", 1, timeout=60.0, waiter_timeout=30.0)
     keeper_holder = AsyncFairSemaphore(holder_client, "healed-keeper", 1, timeout=60.0, waiter_timeout=30.0)
     messages: list[str] = []
-    hear = AsyncFairSemaphore._on_message
+    hear = WaitQueue.on_message
 
-    def recording(self: AsyncFairSemaphore, message: str) -> None:
-        if self is waiter_side:
+    def recording(self: WaitQueue, message: str) -> None:
+        if self is waiter_side._core.queue:
             messages.append(message)
         hear(self, message)
 
-    monkeypatch.setattr(AsyncFairSemaphore, "_on_message", recording)
+    monkeypatch.setattr(WaitQueue, "on_message", recording)
     rounds = 0
     began = anyio.current_time()
     try:

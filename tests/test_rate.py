@@ -229,12 +229,16 @@ WORKER = textwrap.dedent(
 
 
 def check_windows(grants: list[float], started: float) -> None:
-    """No 1 s window holds more than rate + burst grants, and the total is the ideal within 2 %."""
+    """No 1 s window holds more than rate + burst grants; the total is at most the ideal, and not far below it.
+
+    A slot nobody asks for in time is lost -- as on a machine so loaded that
+    every worker is between calls -- so only the upper bound is exact.
+    """
     grants.sort()
     most = max(sum(1 for other in grants[i:] if other < at + 1.0) for i, at in enumerate(grants))
     assert most <= RATE + BURST, most
     ideal = RATE * SECONDS + BURST
-    assert abs(len(grants) - ideal) <= 0.02 * ideal, (len(grants), ideal)
+    assert 0.9 * ideal <= len(grants) <= 1.02 * ideal, (len(grants), ideal)
     assert grants[0] >= started
 
 

@@ -114,7 +114,7 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         assert warm is not None
         await sem.release(warm)
         relayed, (behind,) = await relayed_to_head(sem, sem.acquire())
-        assert sem._runs  # the step that granted it made the waiter behind its run
+        assert sem._core.relay.run_of(relayed.identifier)  # the step that granted it made the waiter behind its run
         assert await sem.waiting() == 1  # queued still, in its place
 
         proxy.hold_replies(after=FAIR_RELEASE.sha.encode())
@@ -222,7 +222,7 @@ async def test_a_relay_that_finds_the_next_waiter_gone_from_the_queue_tells_it(
             outcome.append(error)
 
     relayed, (body,) = await relayed_to_head(sem, hold_it())
-    (successor,) = sem._runs[relayed.identifier]
+    (successor,) = sem._core.relay.run_of(relayed.identifier)
     # Presumed dead in Redis (a process stalled past its waiter timeout, say), and its holder's permit lost.
     await real_client.zrem(f"{sem.key}:queue", successor[0])
     await real_client.zrem(f"{sem.key}:waiters", successor[0])
@@ -247,7 +247,7 @@ async def test_without_a_mutex_nothing_is_relayed(real_client: redis.asyncio.Red
         await sem.release(permit)
     with anyio.fail_after(BOUND):
         granted = await asyncio.gather(*waiters)
-    assert not sem._runs
+    assert not any(sem._core.relay.run_of(permit.identifier) for permit in granted if permit is not None)
     for permit in granted:
         assert permit is not None
         assert await sem.release(permit)

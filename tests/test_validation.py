@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -18,6 +18,9 @@ import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, recipes
 from tests.support import unrestricted
+
+if TYPE_CHECKING:
+    from aiosem._protocol import Step
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
@@ -221,9 +224,9 @@ def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[st
     steps: list[str] = []
     execute = cls._execute
 
-    async def counting(self: Any, operation: Any, mode: Any, identifiers: Any, call: Any) -> Any:
-        steps.append(f"{operation} {mode}".strip())
-        return await execute(self, operation, mode, identifiers, call)
+    async def counting(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
+        steps.append(f"{step.operation.value} {step.mode}".strip())
+        return await execute(self, step, identifiers, call)
 
     monkeypatch.setattr(cls, "_execute", counting)
     return steps

@@ -16,6 +16,7 @@ import redis.asyncio
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreStatistics, recipes
 from aiosem._protocol import Step
 from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
+from aiosem._waiting import Waiter
 from tests.faults import proxied_client
 from tests.support import until_subscribed
 
@@ -106,10 +107,10 @@ async def test_a_non_blocking_acquire_never_jumps_the_queue(
         tasks.start_soon(wait)
         await wait_until_queued(holder_side, 1)
         with anyio.fail_after(BOUND):
-            while not waiter_side._queued:  # the waiter's task may not have read its reply yet
+            while not waiter_side._core.queue.queued():  # the waiter's task may not have read its reply yet
                 await anyio.lowlevel.checkpoint()
         clock.advance(6)
-        await waiter_side._submit(Step.REFRESH, list(waiter_side._queued))  # its heartbeat, on this clock
+        await waiter_side._submit(Step.REFRESH, waiter_side._core.queue.queued())  # its heartbeat, on this clock
         clock.advance(5)  # the holder's lease ran out: no event tells anyone
         assert await newcomer.acquire(blocking=False) is None
     assert got[0] is not None
@@ -139,7 +140,7 @@ async def test_a_queued_waiter_is_re_checked_when_the_earliest_lease_ends(make: 
         # Redis may say "queued" before the waiter's task has read its reply; and
         # the subscription, once confirmed, has the waiter re-checked at once first.
         with anyio.fail_after(BOUND):
-            while (recheck_at := waiter_side._recheck_at) is None or recheck_at - anyio.current_time() < 1:
+            while (recheck_at := waiter_side._core.queue.recheck_at) is None or recheck_at - anyio.current_time() < 1:
                 await anyio.lowlevel.checkpoint()
         assert 9 < recheck_at - anyio.current_time() <= 10.01
         tasks.cancel_scope.cancel()
@@ -304,8 +305,10 @@ async def test_a_stream_of_claims_does_not_starve_the_heartbeat(
         # waiter must still be proven alive, not dropped and queued again.
         end = anyio.current_time() + 2.4
         while anyio.current_time() < end:
-            waiter_side._claims.add(f"{waiter_side._process}.0000000000000000")
-            waiter_side._start_pump()
+            # A permit returned already, to claim: as one handed over by message.
+            claim = Waiter(f"{waiter_side._process}.0000000000000000", asyncio.get_running_loop().create_future())
+            claim.future.set_result(1)
+            waiter_side._core.queue._hand_over(claim)
             await anyio.lowlevel.checkpoint()
         assert await holder_side.waiting() == 1
         tasks.cancel_scope.cancel()

@@ -1,0 +1,215 @@
+"""What the parts of one semaphore object share: who it is, how it takes steps, and its parts.
+
+A semaphore object is a front (`_Semaphore`: the public calls) over a few
+parts that each own one concern -- the `WaitQueue` its waiters, the
+`Holdings` the permits it keeps alive, the `Relay` (fair class only) the
+mutexes it relays -- and one backend that carries out each step atomically
+in Redis (Lua scripts, or watched transactions). The `Core` is what they
+share: the object's identity in Redis, and `Core.submit`, through which
+every step of every part goes.
+
+Per semaphore object, concurrent steps of one kind are coalesced into one
+call at a time (`Lane`), and every reply is read by the wait queue, which
+learns from it what was granted to its waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import redis
+
+from ._connection import REDIRECTS, Client, reroute
+from ._coordination import Lane, Submission
+from ._exceptions import NotReplicated, SemaphoreError, out_of_memory
+from ._holding import Holdings
+from ._protocol import REFUSED, Reply, Step
+from ._relay import Relay
+from ._timing import Backoff, Bound, Deadline, step_bound
+from ._waiting import WaitQueue
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+    from ._keys import SemaphoreKeys
+    from ._semaphore import _Semaphore
+
+#: The longest pause between tries of a step that has to happen.
+_MUST_STEP_PAUSE: Final = 0.005
+#: Pauses between tries of a release whose connection failed grow by this much.
+_RETRY_PAUSE: Final = 0.05
+#: How often a release whose connection failed is tried again: enough for a
+#: connection closed under it, not to wait out a server that is down.
+_RELEASE_RETRIES: Final = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """How one kind of semaphore carries out its steps in Redis: the only part that differs between kinds.
+
+    Attributes:
+        execute: Carry out one step atomically; ``None`` if it could not run
+            now (a busy lock) and should be tried again. A step that leaves
+            receipts (`Step.leaves_receipts`) does so under the given call
+            id, so that the same call tried again answers the same.
+        arrive: Note a blocking acquire's arrival, before its first step.
+        forget: Drop what the backend keeps about an identifier whose
+            acquire ended.
+    """
+
+    execute: Callable[[Step, Sequence[str], str], Awaitable[Reply | None]]
+    arrive: Callable[[str], Awaitable[None]]
+    forget: Callable[[str], None]
+
+
+class Core:
+    """The identity, the steps and the parts of one semaphore object (see the module's docstring)."""
+
+    __slots__ = (
+        "_lanes",
+        "backend",
+        "client",
+        "holdings",
+        "keys",
+        "last",
+        "loop",
+        "process",
+        "queue",
+        "relay",
+        "semaphore",
+    )
+
+    def __init__(
+        self, semaphore: _Semaphore, backend: Backend, client: Client, keys: SemaphoreKeys, *, relays: bool
+    ) -> None:
+        self.semaphore = semaphore
+        self.backend = backend
+        self.client = client
+        self.keys = keys
+        #: This object's identity in Redis: its waiters' identifiers and its
+        #: channel begin with it.
+        self.process = secrets.token_hex(8)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lanes: dict[Step, Lane[Reply]] = {}
+        #: What the last step answered: the counts `statistics` shows.
+        self.last = Reply(0, 0, None, ())
+        self.queue = WaitQueue(self)
+        self.holdings = Holdings(self)
+        self.relay = Relay(self) if relays else None
+
+    def bind(self) -> None:
+        """Tie the object to the running event loop; a new loop (the old one closed) starts it afresh.
+
+        Raises:
+            RuntimeError: The object is in use by another event loop.
+        """
+        loop = asyncio.get_running_loop()
+        if self.loop is loop:
+            return
+        if self.loop is not None and not self.loop.is_closed():
+            raise RuntimeError(
+                f"{self.semaphore!r} is in use by another event loop; create one semaphore object per loop"
+            )
+        self.loop = loop
+        self._lanes.clear()
+        self.queue.reset()
+        self.holdings.reset()
+        if self.relay is not None:
+            self.relay.reset()
+
+    def replicas_for(self, step: Step) -> int:
+        """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
+        return self.semaphore.replicas if step.waits_for_replicas else 0
+
+    async def submit(self, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> tuple[Sequence[int], Reply]:
+        """Carry out ``step`` for ``identifiers``, with its other callers of the moment: results, and reply."""
+        self.bind()
+        lane = self._lanes.get(step)
+        if lane is None:
+            lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since))
+        submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
+        return await lane.submit(submission)
+
+    async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
+        """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""
+        semaphore = self.semaphore
+        deadline: Deadline | None = None
+        # A busy lock is held for a round trip or two; a step that backed off
+        # as far as a polling waiter would lose it to every poller.
+        backoff = Backoff(longest=_MUST_STEP_PAUSE)
+        loop = asyncio.get_running_loop()
+        # A release whose reply is lost with its connection may have been
+        # carried out: tried again -- by redis-py or here -- under the same
+        # id, it reads the first try's receipts, and a permit it released is
+        # not mistaken for one lost.
+        call = secrets.token_hex(8) if step.leaves_receipts else ""
+        spent = 0.0 if waiting_since is None else loop.time() - waiting_since
+        while True:
+            sent = loop.time()
+            if (reply := await self._bounded_execute(step, identifiers, call, spent)) is not None:
+                break
+            spent = 0.0
+            if step is Step.TRY:
+                reply = Reply(self.last.holders, self.last.waiting, None, (REFUSED,) * len(identifiers))
+                break
+            # A step that has to happen may wait out a busy lock for as long
+            # as a lease: by then the answer is moot.
+            deadline = deadline or Deadline(semaphore.timeout)
+            if deadline.passed():
+                raise SemaphoreError(
+                    f"semaphore {semaphore.name!r} stayed busy for {semaphore.timeout:g} s;"
+                    f" {step.operation.value} not done",
+                    name=semaphore.name,
+                )
+            await backoff.pause(deadline)
+        self.last = reply
+        self.queue.observe(reply, sent)
+        return reply
+
+    async def _bounded_execute(
+        self, step: Step, identifiers: Sequence[str], call: str, spent: float = 0.0
+    ) -> Reply | None:
+        """`Backend.execute`, bounded so that a stalled connection cannot hang a step.
+
+        On a cluster, a step turned away because the semaphore's slot moved
+        or is moving did nothing, and is tried again on the slot's owner
+        within the same bound. A release with a call id whose connection
+        failed is tried again too, a few times: its receipts tell what a try
+        whose reply was lost did.
+        """
+        name = self.semaphore.name
+        redirect: Exception | None = None
+        failures = 0
+        try:
+            with Bound(
+                step_bound(self.semaphore.timeout), f"a {step.operation.value} step of semaphore {name!r}", spent=spent
+            ):
+                for attempt in itertools.count():
+                    try:
+                        reply = await self.backend.execute(step, identifiers, call)
+                    except REDIRECTS as error:
+                        redirect = error
+                        await reroute(self.client, error, attempt)
+                        continue
+                    except redis.ConnectionError:
+                        failures += 1
+                        if not call or failures > _RELEASE_RETRIES:
+                            raise
+                        await anyio.sleep(_RETRY_PAUSE * (failures - 1))
+                        continue
+                    break
+        except redis.TimeoutError as error:
+            if redirect is None:
+                raise
+            raise error from redirect  # on a cluster, why it took so long: the slot kept moving
+        except redis.exceptions.OutOfMemoryError as error:
+            raise out_of_memory(error, name) from None  # one short traceback that names the semaphore
+        replicas = self.semaphore.replicas
+        if reply is not None and reply.replicated is not None and reply.replicated < replicas:
+            raise NotReplicated(name=name, replicas=replicas, acknowledged=reply.replicated)
+        return reply

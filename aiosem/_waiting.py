@@ -1,0 +1,530 @@
+"""The wait queue of one semaphore object: its waiters, and everything that moves them.
+
+A blocking `acquire` is a `Waiter`, with one of the states of `WaiterState`
+(the design page draws them). The object's `WaitQueue` owns its waiters:
+it queues them in Redis, proves them alive, hears their grants -- in the
+reply to a step, by message from another process, or at a re-check --
+claims permits handed over by other processes, gives up for the ones that
+stop waiting, and queues again, in order, the ones Redis forgot. One task,
+the pump, does the background part: every third of a waiter timeout it
+proves all the object's queued waiters alive in one step, it sends claims
+at once, and it re-checks the semaphore exactly when its earliest lease runs
+out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import secrets
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import redis
+
+from ._channel import Channel
+from ._coordination import Submission, raise_if_cancel_swallowed, to_the_end
+from ._exceptions import SemaphoreError
+from ._observing import log_fields
+from ._protocol import QUEUED, Reply, Step
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ._core import Core
+
+logger = logging.getLogger("aiosem")
+
+#: How long after a lease runs out its semaphore is re-checked: enough for
+#: the server's clock to have passed it too.
+RECHECK_DELAY: Final = 0.001
+#: Pauses of a failing pump grow by this much, up to a heartbeat.
+_RETRY_PAUSE: Final = 0.05
+
+
+class WaiterState(enum.Enum):
+    """Where a waiter is in its life; `docs/design.md` draws the transitions."""
+
+    #: Its acquire step is on its way: neither queued nor granted yet.
+    ARRIVING = "arriving"
+    #: Queued in Redis; the pump's heartbeats prove it alive.
+    QUEUED = "queued"
+    #: Another process handed it a permit, with a lease of a waiter timeout:
+    #: its claim, which restarts the lease for a whole timeout, is to be sent.
+    HANDED = "handed over"
+    #: Its claim is on its way.
+    CLAIMING = "claiming"
+    #: Relayed a mutex by the waiter before it in its run, within this
+    #: process: the pass that tells Redis is on its way.
+    RELAYED = "relayed"
+    #: Gone from the queue: it holds its permit, gave up, or failed.
+    DONE = "done"
+
+
+class _TimeUp(Exception):
+    """Set on a waiter's future when its wait runs out before a grant."""
+
+
+class Waiter:
+    """One blocking acquire, from its arrival until it holds its permit or gives up.
+
+    Attributes:
+        identifier: Its identifier in Redis: the object's, a dot, its own.
+        future: Resolved with the fencing token when the permit is its own,
+            or failed by `WaitQueue.close`.
+        state: Where it is in its life.
+        proven: Loop time when the last step that found it queued was sent:
+            a permit handed to it later has a lease from then on.
+        lease: How the lease of its permit was confirmed: (loop time the
+            confirming step was sent, seconds it lasts).
+    """
+
+    __slots__ = ("future", "identifier", "lease", "proven", "state")
+
+    def __init__(self, identifier: str, future: asyncio.Future[int]) -> None:
+        self.identifier = identifier
+        self.future = future
+        self.state = WaiterState.ARRIVING
+        self.proven = -math.inf
+        self.lease: tuple[float, float] | None = None
+
+    def __repr__(self) -> str:
+        return f"Waiter({self.identifier!r}, {self.state.value}{', returned' if self.future.done() else ''})"
+
+    @property
+    def pending(self) -> bool:
+        """Whether its caller is still waiting."""
+        return not self.future.done()
+
+    def grant(self, token: int, confirmed_at: float, lease: float) -> bool:
+        """Return the permit to the caller, if it still waits: ``True`` if it did."""
+        if not self.pending:
+            return False
+        self.lease = (confirmed_at, lease)
+        self.future.set_result(token)
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        if self.pending:
+            self.future.set_exception(error)
+
+    def read_failure(self) -> BaseException | None:
+        """What its future failed with, if anything (read, so not logged as never retrieved)."""
+        future = self.future
+        return future.exception() if future.done() and not future.cancelled() else None
+
+    async def granted_within(self, wait: float | None) -> int:
+        """The token granted within ``wait`` seconds (``None``: for ever), or 0 if none was.
+
+        A timer, not a cancel scope: waiting is what most acquires do under
+        contention, and a scope costs several times what a timer does. A grant
+        that comes first is taken, however late in the wait.
+        """
+        if wait is None:
+            return await self.future
+        timer = asyncio.get_running_loop().call_later(wait, self.fail, _TimeUp())
+        try:
+            return await self.future
+        except _TimeUp:
+            return 0
+        finally:
+            timer.cancel()
+
+
+class WaitQueue:
+    """The waiters of one semaphore object, and the pump that serves them (see the module's docstring)."""
+
+    __slots__ = ("_channel", "_claims", "_core", "_pump", "_queued", "_recheck_at", "_waiters", "_wake")
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        #: Every waiting acquire, and those of them known to be queued, in arrival order.
+        self._waiters: dict[str, Waiter] = {}
+        self._queued: dict[str, Waiter] = {}
+        #: Permits handed over by other processes: to claim, or being claimed
+        #: (their waiters may have returned already).
+        self._claims: dict[str, Waiter] = {}
+        self._pump: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._recheck_at: float | None = None
+        self._channel = Channel(core, self)
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def reset(self) -> None:
+        """Forget everything: the object moved to another event loop (the old one is closed)."""
+        self._waiters.clear()
+        self._queued.clear()
+        self._claims.clear()
+        self._pump = None
+        self._wake = asyncio.Event()
+        self._recheck_at = None
+        self._channel.reset()
+
+    @property
+    def has_waiters(self) -> bool:
+        return bool(self._waiters)
+
+    @property
+    def channel(self) -> Channel:
+        return self._channel
+
+    @property
+    def recheck_at(self) -> float | None:
+        """When the pump re-checks the semaphore next, ahead of its heartbeat (loop time)."""
+        return self._recheck_at
+
+    def waiter(self, identifier: str) -> Waiter | None:
+        """The waiter still waiting under ``identifier``, if any."""
+        waiter = self._waiters.get(identifier)
+        return waiter if waiter is not None and waiter.pending else None
+
+    def queued(self) -> list[str]:
+        """The identifiers of the waiters known to be queued, in arrival order."""
+        return list(self._queued)
+
+    # --- a waiter's life ------------------------------------------------------
+
+    async def wait(self, wait: float | None) -> tuple[str, int, tuple[float, float]]:
+        """Take a permit, queueing for it for up to ``wait`` seconds (0: try once; ``None``: for ever).
+
+        Returns the identifier, what the step answered (a token, or a code),
+        and how the lease was confirmed. Nothing is awaited before the call
+        joins its lane, so calls are sent -- and queued -- in the order they
+        were made, and the wait in the queue ends ``wait`` seconds after the
+        call, whatever came before.
+        """
+        core = self._core
+        loop = asyncio.get_running_loop()
+        deadline = None if wait is None else loop.time() + wait
+        identifier = f"{core.process}.{secrets.token_hex(8)}"
+        submission: Submission[Reply] = Submission((identifier,))
+        waiter: Waiter | None = None
+        try:
+            if wait != 0:
+                waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
+                await core.backend.arrive(identifier)
+            sent = loop.time()
+            if waiter is not None:
+                # Queued, if at all, after this: so was any grant handed over by message.
+                waiter.proven = sent
+            (value,), reply = await core.submit(Step.TRY if waiter is None else Step.WAIT, submission)
+            confirmed = (sent, core.semaphore.timeout)
+            if waiter is not None:
+                if (failure := waiter.read_failure()) is not None:
+                    raise failure  # noqa: TRY301 -- the object was closed meanwhile: what was granted goes back
+                if value == QUEUED:
+                    value = await self._wait_in_queue(waiter, reply, deadline)
+                    confirmed = waiter.lease or confirmed
+        except (redis.ConnectionError, redis.ResponseError):
+            # The server is out of reach or refused the script: a grant that
+            # did happen ends with its lease, and a cancel would only delay
+            # this error.
+            raise
+        except BaseException:
+            # No longer a waiter from here on: a re-check answering meanwhile
+            # must not queue it again.
+            self._waiters.pop(identifier, None)
+            self._queued.pop(identifier, None)
+            if submission.sent:
+                await self.give_up(identifier)
+            raise
+        finally:
+            self._leave(identifier, waiter)
+        if value == 0 and waiter is not None:
+            await self.give_up(identifier)  # its wait ran out
+        return identifier, value, confirmed
+
+    async def _wait_in_queue(self, waiter: Waiter, reply: Reply, deadline: float | None) -> int:
+        """Wait, queued, for ``waiter`` to be granted until ``deadline`` (loop time): its token, or 0 if too late."""
+        if waiter.state is WaiterState.ARRIVING:
+            waiter.state = WaiterState.QUEUED
+        self._queued[waiter.identifier] = waiter
+        self._listen()  # the pump's next heartbeat proves this waiter alive too
+        self.recheck_when(reply)
+        loop = asyncio.get_running_loop()
+        return await waiter.granted_within(None if deadline is None else max(0.0, deadline - loop.time()))
+
+    def _leave(self, identifier: str, waiter: Waiter | None) -> None:
+        """Forget an acquire that has ended, whichever way; a claim of its permit goes on."""
+        self._waiters.pop(identifier, None)
+        self._queued.pop(identifier, None)
+        self._core.backend.forget(identifier)
+        if waiter is not None:
+            waiter.read_failure()  # failed by `close` for a caller gone meanwhile, it is not news
+            if waiter.state not in (WaiterState.HANDED, WaiterState.CLAIMING):
+                waiter.state = WaiterState.DONE
+        if not self._waiters:
+            self._unlisten()
+
+    async def give_up(self, *identifiers: str) -> None:
+        """Leave the queue, give back any permit, and refuse a grant still on its way.
+
+        A permit relayed to a waiter is relayed on; a waiter of a run that
+        has not had it yet is passed over by the relay, and leaves the queue
+        as any other.
+        """
+        for identifier in identifiers:
+            self.forget_claim(identifier)
+        relay = self._core.relay
+        relayed = [identifier for identifier in identifiers if relay is not None and relay.holds(identifier)]
+        others = [identifier for identifier in identifiers if identifier not in relayed]
+        try:
+            await to_the_end(
+                self._hand_back(relayed, others), name=f"giving back what an acquire of {self._core.semaphore!r} took"
+            )
+        except Exception:
+            logger.warning(
+                "could not give back what an interrupted acquire of %r took",
+                self._core.semaphore,
+                exc_info=True,
+                extra=log_fields(self._core.semaphore.name),
+            )
+
+    async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
+        relay = self._core.relay
+        for identifier in relayed:
+            assert relay is not None  # noqa: S101 -- only a relay holds a relayed permit
+            await relay.relay(identifier)
+        if others:
+            await self._core.submit(Step.CANCEL, others)
+
+    def forget_claim(self, identifier: str) -> None:
+        """Stop claiming the permit of ``identifier``: given up, or released before its claim."""
+        claim = self._claims.pop(identifier, None)
+        if claim is not None and not claim.pending:
+            claim.state = WaiterState.DONE
+
+    # --- hearing of grants ----------------------------------------------------
+
+    def observe(self, reply: Reply, sent: float) -> None:
+        """Learn what a reply to a step sent at ``sent`` says about this object's waiters."""
+        core = self._core
+        semaphore = core.semaphore
+        resolved = []
+        for identifier, token in reply.granted:
+            # Granted by this object's own call: a full lease, nothing to
+            # claim -- unless replicas must have the grant and this step did
+            # not wait for them: then a claim that does confirms it first.
+            waiter = self.waiter(identifier)
+            if waiter is None:
+                continue
+            if semaphore.replicas and reply.replicated is None:
+                self._hand_over(waiter)
+                continue
+            waiter.grant(token, sent, semaphore.timeout)
+            resolved.append(identifier)
+        if reply.relayed and len(resolved) == 1 and core.relay is not None:
+            # (Granted to an acquire given up meanwhile, the permit goes back
+            # by its cancel, to the head of the queue: the run's waiters are
+            # queued there still, in their places.)
+            core.relay.start(resolved[0], sent, reply.relayed)
+        if self._queued:
+            self.recheck_when(reply)
+
+    def on_message(self, message: str) -> None:
+        """A permit was handed to some of this object's waiters by another process."""
+        semaphore = self._core.semaphore
+        now = asyncio.get_running_loop().time()
+        for grant in message.split():
+            identifier, _, token = grant.partition(":")
+            # The permit is the waiter's from the grant on: it returns at once,
+            # and the pump claims the whole lease behind it well within the
+            # waiter timeout the grant was stamped with. A waiter no longer
+            # here gave up, and its cancel step gives the permit back; one
+            # resolved already was claimed by the re-check that resolved it.
+            waiter = self.waiter(identifier)
+            if waiter is None or not token.isdigit():
+                continue
+            self._hand_over(waiter)
+            # Granted after the last step that found it queued was sent, for
+            # a waiter timeout: a lease at least that long. Unless a third of
+            # it is sure to be left -- as a heartbeat a third of a waiter
+            # timeout ago makes it, and a process slow to hear, or stalled,
+            # does not -- the waiter returns only once its claim has found
+            # the permit still there, and restarted its lease. (So it does
+            # with replicas: the grant may not have reached them yet, and the
+            # claim waits for them.)
+            if not semaphore.replicas and now < waiter.proven + semaphore.waiter_timeout * 2 / 3:
+                waiter.grant(int(token), waiter.proven, semaphore.waiter_timeout)
+
+    def _hand_over(self, waiter: Waiter) -> None:
+        waiter.state = WaiterState.HANDED
+        self._claims[waiter.identifier] = waiter
+        self._start_pump()
+
+    def recheck_when(self, reply: Reply) -> None:
+        """Have the pump re-check when the earliest lease a reply reports runs out."""
+        if reply.next_expiry is not None:
+            self._schedule_recheck(asyncio.get_running_loop().time() + reply.next_expiry + RECHECK_DELAY)
+
+    def recheck_now(self) -> None:
+        """Have the pump re-check at once, if anybody is queued: who holds may have changed unheard."""
+        if self._queued:
+            self._schedule_recheck(asyncio.get_running_loop().time())
+
+    def _schedule_recheck(self, at: float) -> None:
+        if self._recheck_at is None or at < self._recheck_at:
+            self._recheck_at = at
+            self._start_pump()
+
+    # --- the pump ---------------------------------------------------------------
+
+    def _start_pump(self, *, wake: bool = True) -> None:
+        """Run the pump, and have it look at once at its claims and due re-checks, unless ``wake`` is false."""
+        if wake:
+            self._wake.set()
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+
+    def _to_claim(self) -> list[Waiter]:
+        return [claim for claim in self._claims.values() if claim.state is WaiterState.HANDED]
+
+    async def _run_pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        heartbeat = self._core.semaphore.waiter_timeout / 3
+        next_beat = loop.time() + heartbeat
+        failures = 0
+        task = asyncio.current_task()
+        try:
+            while self._queued or self._to_claim():
+                raise_if_cancel_swallowed(task)
+                due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
+                if not self._to_claim():
+                    self._wake.clear()
+                    with anyio.move_on_after(due - loop.time()):
+                        await self._wake.wait()
+                    if not self._to_claim() and loop.time() < due:
+                        continue
+                # A claim goes at once, alone unless a heartbeat or re-check is
+                # due too: then every queued waiter goes with it.
+                everyone = loop.time() >= due
+                if everyone:
+                    self._recheck_at = None
+                if await self._pump_once(everyone):
+                    failures = 0
+                    if everyone:
+                        next_beat = loop.time() + heartbeat
+                    continue
+                failures += 1
+                await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
+        finally:
+            self._pump = None
+
+    async def _pump_once(self, everyone: bool) -> bool:
+        """Send the claims due -- and, if ``everyone``, prove every queued waiter alive: ``False`` if it failed."""
+        claims = self._to_claim()
+        for claim in claims:
+            claim.state = WaiterState.CLAIMING
+        identifiers = [claim.identifier for claim in claims]
+        if everyone:
+            identifiers += [identifier for identifier in self._queued if identifier not in self._claims]
+        try:
+            sent = asyncio.get_running_loop().time()
+            values, _ = await self._core.submit(Step.REFRESH, identifiers)
+            await self._settle(identifiers, values, sent)
+        except Exception:  # never let the pump die: waiters depend on it
+            for claim in claims:
+                if claim.state is WaiterState.CLAIMING:
+                    claim.state = WaiterState.HANDED
+            logger.warning(
+                "re-checking the waiters of %r failed; retrying",
+                self._core.semaphore,
+                exc_info=True,
+                extra=log_fields(self._core.semaphore.name),
+            )
+            return False
+        return True
+
+    async def _settle(self, identifiers: Sequence[str], values: Sequence[int], sent: float) -> None:
+        """Act on what a re-check sent at ``sent`` answered for each identifier."""
+        core = self._core
+        semaphore = core.semaphore
+        dropped = []
+        for identifier, value in zip(identifiers, values, strict=True):
+            waiter = self.waiter(identifier)
+            claim = self._claims.get(identifier)
+            claiming = claim is not None and claim.state is WaiterState.CLAIMING
+            if claiming:
+                del self._claims[identifier]
+                assert claim is not None  # noqa: S101 -- claiming says so
+                claim.state = WaiterState.QUEUED if claim.pending else WaiterState.DONE
+            if value > 0:
+                if waiter is not None:
+                    waiter.grant(value, sent, semaphore.timeout)
+                else:
+                    core.holdings.confirm(identifier, sent, semaphore.timeout)
+            elif value == QUEUED and waiter is not None:
+                waiter.proven = sent
+            elif value < 0:
+                if waiter is not None:
+                    dropped.append(identifier)
+                elif claiming:
+                    self._lost_before_claim(identifier)
+        if dropped:
+            await self._requeue(dropped)
+
+    async def _requeue(self, dropped: Sequence[str]) -> None:
+        """Queue again, last, waiters the queue forgot (presumed dead: this process did not answer in time)."""
+        semaphore = self._core.semaphore
+        logger.warning(
+            "%d waiter(s) of %r lost their place in the queue; queueing again",
+            len(dropped),
+            semaphore,
+            extra=log_fields(semaphore.name),
+        )
+        sent = asyncio.get_running_loop().time()
+        requeued, _ = await self._core.submit(Step.WAIT, dropped)
+        for identifier, value in zip(dropped, requeued, strict=True):
+            # A waiter returned meanwhile was granted (by a message that
+            # overtook this reply), and holds now; or gave up, and its own
+            # cancel undoes what this step did, whichever of the two Redis saw
+            # first (a cancel that came first left a tombstone, which refused
+            # this step).
+            waiter = self.waiter(identifier)
+            if waiter is None:
+                continue
+            if value > 0:
+                waiter.grant(value, sent, semaphore.timeout)
+            elif value == QUEUED:
+                waiter.proven = sent
+            else:
+                waiter.fail(
+                    SemaphoreError(f"a waiter of semaphore {semaphore.name!r} was refused", name=semaphore.name)
+                )
+
+    def _lost_before_claim(self, identifier: str) -> None:
+        if not self._core.holdings.lose(
+            identifier, "it was handed over by another process and lost before it was claimed"
+        ):
+            logger.warning(
+                "a permit of %r handed to this process was lost before it was claimed",
+                self._core.semaphore,
+                extra=log_fields(self._core.semaphore.name),
+            )
+
+    # --- the channel --------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """Have the channel subscribed, and the pump running, for a waiter just queued."""
+        self._channel.listen()
+        self._start_pump(wake=False)
+
+    def _unlisten(self) -> None:
+        """The last waiter has gone: the pump ends, and the channel goes unless a waiter comes soon."""
+        self._wake.set()
+        self._channel.unlisten()
+
+    # --- closing ------------------------------------------------------------------
+
+    def close(self, error: SemaphoreError) -> list[asyncio.Task[None]]:
+        """Fail every waiting acquire with ``error`` and stop the pump and the channel: the tasks to wait for."""
+        for waiter in self._waiters.values():
+            waiter.fail(error)
+        background = [] if self._pump is None else [self._pump]
+        for task in background:
+            task.cancel()
+        return background + self._channel.stop()
