@@ -25,9 +25,10 @@ import anyio
 import redis
 
 from ._connection import REDIRECTS, Client, reroute
-from ._coordination import Lane, Submission
+from ._coordination import Lane, Submission, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory
 from ._holding import Holdings
+from ._observing import emit_permit
 from ._protocol import REFUSED, Reply, Step
 from ._relay import Relay
 from ._timing import Backoff, Bound, Deadline, step_bound
@@ -36,6 +37,7 @@ from ._waiting import WaitQueue
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from ._holding import Hold
     from ._keys import SemaphoreKeys
     from ._semaphore import _Semaphore
 
@@ -213,3 +215,41 @@ class Core:
         if reply is not None and reply.replicated is not None and reply.replicated < replicas:
             raise NotReplicated(name=name, replicas=replicas, acknowledged=reply.replicated)
         return reply
+
+    async def close(self) -> None:
+        """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""
+        holds = self.holdings.close()
+        # Before the first await: the waiters failed here, ending, must find
+        # the channel let go of already, and schedule nothing.
+        subscribed = self.queue.channel.in_use
+        name = self.semaphore.name
+        background = self.queue.close(SemaphoreError(f"semaphore {name!r} was closed", name=name))
+        if self.relay is not None:
+            self.relay.close()  # its runs' waiters failed above
+        await to_the_end(
+            self._finish_closing(holds, background, subscribed=subscribed), name=f"closing {self.semaphore!r}"
+        )
+
+    async def _finish_closing(
+        self, holds: list[Hold], background: list[asyncio.Task[None]], *, subscribed: bool
+    ) -> None:
+        """The part of `close` that waits: background work ended, the channel unsubscribed, ``holds`` released."""
+        await asyncio.gather(*background, return_exceptions=True)
+        if subscribed:
+            await self.queue.channel.unsubscribe()
+        if not holds:
+            return
+        # A relayed permit goes by the same lane as the passes that gave it.
+        relayed = set() if self.relay is None else set(self.relay.take([hold.permit.identifier for hold in holds]))
+        plain = [hold for hold in holds if hold.permit.identifier not in relayed]
+        passed = [hold for hold in holds if hold.permit.identifier in relayed]
+        outcomes: list[tuple[Hold, int]] = []
+        if plain:
+            values, _ = await self.submit(Step.RELEASE, [hold.permit.identifier for hold in plain])
+            outcomes += zip(plain, values, strict=True)
+        if passed:
+            passes = [part for hold in passed for part in (hold.permit.identifier, "", "")]
+            values, _ = await self.submit(Step.PASS, passes)
+            outcomes += zip(passed, values[::3], strict=True)
+        for hold, value in outcomes:
+            emit_permit("released" if value == 1 else "lost", hold.permit)

@@ -39,7 +39,7 @@ from ._connection import (
 )
 from ._coordination import detached, to_the_end
 from ._core import Backend, Core
-from ._exceptions import AcquireTimeout, LimitMismatch, PermitLost, SemaphoreError, out_of_memory
+from ._exceptions import AcquireTimeout, LimitMismatch, PermitLost, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
 from ._protocol import LIMIT_MISMATCH, Reply, Step
@@ -293,9 +293,6 @@ class _Semaphore(ABC):
     def _forget(self, identifier: str) -> None:  # noqa: B027 -- a hook: the fair strategy keeps nothing
         """Drop what a strategy keeps about an identifier whose acquire ended."""
 
-    async def _submit(self, step: Step, identifiers: Sequence[str]) -> tuple[Sequence[int], Reply]:
-        return await self._core.submit(step, identifiers)
-
     def _check_permit(self, permit: Permit) -> Permit:
         if not isinstance(permit, Permit):
             raise TypeError(f"permit must be a Permit, not {type(permit).__name__}")
@@ -422,10 +419,6 @@ class _Semaphore(ABC):
             raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
         return None
 
-    async def _give_up(self, *identifiers: str) -> None:
-        """Leave the queue, give back any permit, and refuse a grant still on its way (see `WaitQueue.give_up`)."""
-        await self._core.queue.give_up(*identifiers)
-
     async def release(self, permit: Permit) -> bool:
         """Give a permit back; the longest waiter, if any, gets it in the same step.
 
@@ -456,7 +449,7 @@ class _Semaphore(ABC):
         if self._core.relay is not None and self._core.relay.holds(permit.identifier):
             released = int(await self._core.relay.relay(permit.identifier))
         else:
-            (released,), _ = await self._submit(Step.RELEASE, (permit.identifier,))
+            (released,), _ = await self._core.submit(Step.RELEASE, (permit.identifier,))
         if released == 1:
             emit_permit("released", permit)
         elif hold is not None:
@@ -483,7 +476,7 @@ class _Semaphore(ABC):
         """
         permit = self._check_permit(permit)
         sent = asyncio.get_running_loop().time()
-        (token,), _ = await self._submit(Step.REFRESH, (permit.identifier,))
+        (token,), _ = await self._core.submit(Step.REFRESH, (permit.identifier,))
         # A permit relayed to it is held, though Redis has not heard yet.
         relay = self._core.relay
         held = token > 0 or (relay is not None and relay.passing(permit.identifier))
@@ -517,39 +510,7 @@ class _Semaphore(ABC):
         """
         if self._core.loop is None or self._core.loop is not asyncio.get_running_loop():
             return
-        holds = self._core.holdings.close()
-        # Before the first await: the waiters failed here, ending, must find
-        # the channel let go of already, and schedule nothing.
-        subscribed = self._core.queue.channel.in_use
-        background = self._core.queue.close(SemaphoreError(f"semaphore {self._name!r} was closed", name=self._name))
-        if self._core.relay is not None:
-            self._core.relay.close()  # its runs' waiters failed above
-        await to_the_end(self._finish_closing(holds, background, subscribed=subscribed), name=f"closing {self!r}")
-
-    async def _finish_closing(
-        self, holds: list[Hold], background: list[asyncio.Task[None]], *, subscribed: bool
-    ) -> None:
-        """The part of `aclose` that waits: background work ended, the channel unsubscribed, ``holds`` released."""
-        await asyncio.gather(*background, return_exceptions=True)
-        if subscribed:
-            await self._core.queue.channel.unsubscribe()
-        if not holds:
-            return
-        # A relayed permit goes by the same lane as the passes that gave it.
-        identifiers = [hold.permit.identifier for hold in holds]
-        relayed = set() if self._core.relay is None else set(self._core.relay.take(identifiers))
-        plain = [hold for hold in holds if hold.permit.identifier not in relayed]
-        passed = [hold for hold in holds if hold.permit.identifier in relayed]
-        outcomes: list[tuple[Hold, int]] = []
-        if plain:
-            values, _ = await self._submit(Step.RELEASE, [hold.permit.identifier for hold in plain])
-            outcomes += zip(plain, values, strict=True)
-        if passed:
-            passes = [part for hold in passed for part in (hold.permit.identifier, "", "")]
-            values, _ = await self._submit(Step.PASS, passes)
-            outcomes += zip(passed, values[::3], strict=True)
-        for hold, value in outcomes:
-            emit_permit("released" if value == 1 else "lost", hold.permit)
+        await self._core.close()
 
     async def count(self) -> int:
         """Return how many permits are held now, in all processes.
@@ -577,7 +538,7 @@ class _Semaphore(ABC):
         return (await self._census()).waiting
 
     async def _census(self) -> Reply:
-        _, reply = await self._submit(Step.COUNT, ())
+        _, reply = await self._core.submit(Step.COUNT, ())
         return reply
 
     async def holders(self) -> dict[str, float]:

@@ -649,10 +649,10 @@ async def test_with_its_tombstones_evicted_an_acquire_cancelled_on_its_way_takes
     sem = cls(client, "tombstoned", 1, timeout=LEASE, clock=clock)
     late = f"{sem._process}.{secrets.token_hex(8)}"
     try:
-        await sem._give_up(late)  # given up before its request reached Redis: refused for a minute
+        await sem._core.queue.give_up(late)  # given up before its request reached Redis: refused for a minute
         assert await admin.zcard(f"{sem.key}:cancelled") == 1
         await admin.delete(f"{sem.key}:cancelled")
-        (token,), _ = await sem._submit(Step.TRY, (late,))  # the request arrives after all
+        (token,), _ = await sem._core.submit(Step.TRY, (late,))  # the request arrives after all
         held = await sem.acquire(blocking=False)
         clock.advance(LEASE)
         after_the_lease = await sem.acquire(blocking=False)

@@ -429,7 +429,7 @@ async def use_a_semaphore(server: RedisServer, kind: Kind) -> None:
         assert held is not None
         assert await waiter_side.acquire(blocking_timeout=0.01) is None  # queued, then timed out
         # An acquire cancelled before it reached Redis leaves a tombstone, lest it arrive after all.
-        await waiter_side._give_up(f"{waiter_side._process}.{secrets.token_hex(8)}")
+        await waiter_side._core.queue.give_up(f"{waiter_side._process}.{secrets.token_hex(8)}")
         async with anyio.create_task_group() as group:
             group.start_soon(hold, waiter_side)  # queued, then handed the permit by the release
             await until_queued(holder_side)

@@ -110,7 +110,7 @@ async def test_a_non_blocking_acquire_never_jumps_the_queue(
             while not waiter_side._core.queue.queued():  # the waiter's task may not have read its reply yet
                 await anyio.lowlevel.checkpoint()
         clock.advance(6)
-        await waiter_side._submit(Step.REFRESH, waiter_side._core.queue.queued())  # its heartbeat, on this clock
+        await waiter_side._core.submit(Step.REFRESH, waiter_side._core.queue.queued())  # its heartbeat, on this clock
         clock.advance(5)  # the holder's lease ran out: no event tells anyone
         assert await newcomer.acquire(blocking=False) is None
     assert got[0] is not None
@@ -158,7 +158,7 @@ async def test_a_dead_waiter_holds_the_line_for_no_longer_than_its_waiter_timeou
     assert held is not None
     # A waiter whose process is gone: queued by hand, never proving it is alive.
     dead = dead_side._process + ".deadbeefdeadbeef"
-    await dead_side._submit(Step.WAIT, (dead,))
+    await dead_side._core.submit(Step.WAIT, (dead,))
     got: list[Permit | None] = []
 
     async def wait() -> None:
@@ -180,7 +180,7 @@ async def test_a_dead_waiter_holds_the_line_for_no_longer_than_its_waiter_timeou
 async def test_a_dead_waiter_leaves_the_queue_after_its_waiter_timeout(make: Callable[..., Semaphore]) -> None:
     sem = make(waiter_timeout=0.2)
     assert await sem.acquire() is not None
-    await sem._submit(Step.WAIT, ("0123456789abcdef.0123456789abcdef",))
+    await sem._core.submit(Step.WAIT, ("0123456789abcdef.0123456789abcdef",))
     assert await sem.waiting() == 1
     await anyio.sleep(0.3)
     assert await sem.waiting() == 0
