@@ -26,7 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import redis
@@ -46,29 +46,29 @@ from ._exceptions import AcquireTimeout, LimitMismatch, NotReplicated, PermitLos
 from ._holding import Hold, Refresher
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
+from ._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
 from ._protocol import LIMIT_MISMATCH, Reply, Step
 from ._timing import Backoff, Bound, Deadline, step_bound
 from ._validation import (
+    check_callable,
     check_client,
     check_limit,
     check_name,
     check_now,
     check_replicas,
     check_timeout,
+    check_upkeep,
     check_wait,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
     from types import TracebackType
 
-    #: Called with the loss of a permit kept alive.
-    LostCallback: TypeAlias = Callable[[PermitLost], object]
+    from ._options import LostCallback, SemaphoreOptions
 
 logger = logging.getLogger("aiosem")
 
-#: The default waiter timeout, unless the lease is shorter.
-_WAITER_TIMEOUT: Final = 2.0
 #: How long after a lease runs out its semaphore is re-checked: enough for
 #: the server's clock to have passed it too.
 _RECHECK_DELAY: Final = 0.001
@@ -236,47 +236,20 @@ class _Semaphore(ABC):
         "_wake",
     )
 
-    def __init__(
-        self,
-        client: Client,
-        name: str,
-        limit: int,
-        *,
-        timeout: float = 10.0,
-        blocking_timeout: float | None = None,
-        prefix: str = "aiosem",
-        clock: Callable[[], float] | None = None,
-        waiter_timeout: float | None = None,
-        refresh_interval: float | None = None,
-        on_lost: LostCallback | None = None,
-        replicas: int = 0,
-    ) -> None:
+    def __init__(self, client: Client, name: str, limit: int, options: SemaphoreOptions) -> None:
+        # Each public class takes ``**options`` and refuses unknown ones in its own name.
         check_cluster_support(check_client(client))
         self._name = check_name(name)
         self._limit = check_limit(limit)
-        self._timeout = check_timeout(timeout)
-        self._blocking_timeout = check_wait(blocking_timeout)
-        self._keys = SemaphoreKeys.for_name(check_prefix(prefix), name)
-        if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
-        if waiter_timeout is None:
-            self._waiter_ttl = min(_WAITER_TIMEOUT, self._timeout)
-        else:
-            self._waiter_ttl = check_timeout(waiter_timeout, "waiter_timeout")
-            if self._waiter_ttl > self._timeout:
-                raise ValueError(f"waiter_timeout must not exceed timeout ({self._timeout:g} s), got {waiter_timeout}")
-        if refresh_interval is None:
-            self._refresh_interval = self._timeout / 3
-        else:
-            self._refresh_interval = check_timeout(refresh_interval, "refresh_interval")
-            if self._refresh_interval >= self._timeout:
-                raise ValueError(
-                    f"refresh_interval must be shorter than timeout ({self._timeout:g} s), got {refresh_interval}"
-                )
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
-        self._on_lost = on_lost
-        self._replicas = check_replicas(replicas)
+        self._timeout = check_timeout(options.get("timeout", DEFAULT_TIMEOUT))
+        self._blocking_timeout = check_wait(options.get("blocking_timeout"))
+        self._keys = SemaphoreKeys.for_name(check_prefix(options.get("prefix", DEFAULT_PREFIX)), name)
+        clock = check_callable(options.get("clock"), "clock")
+        self._waiter_ttl, self._refresh_interval = check_upkeep(
+            options.get("waiter_timeout"), options.get("refresh_interval"), self._timeout
+        )
+        self._on_lost: LostCallback | None = check_callable(options.get("on_lost"), "on_lost")
+        self._replicas = check_replicas(options.get("replicas", 0))
         self._client = client
         self._clock = clock
         #: This object's identity in Redis: its waiters' identifiers and its
