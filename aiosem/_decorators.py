@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
 from ._declarations import LIMITS, RATES
@@ -35,6 +34,7 @@ from ._loop_cache import Entry, checkout
 from ._observing import log_fields
 from ._options import LimiterOptions, RateByNameOptions, refuse_unknown
 from ._specs import RateSpec, SemaphoreSpec, rate_spec, semaphore_spec
+from ._task_stack import TaskStack
 from ._validation import check_name
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ S = TypeVar("S")
 #: The limiters the current task is inside, innermost last, each with the
 #: cached object it entered and its permit. Tasks sharing one limiter never
 #: see each other's.
-_entered: ContextVar[tuple[tuple[_Limiter, Entry[Semaphore], Permit], ...]] = ContextVar("aiosem_limiters", default=())
+_entered: TaskStack[_Limiter, tuple[Entry[Semaphore], Permit]] = TaskStack("aiosem_limiters")
 
 
 class _Limiter:
@@ -83,7 +83,7 @@ class _Limiter:
         except BaseException:
             entry.state.checkin(entry)
             raise
-        _entered.set((*_entered.get(), (self, entry, permit)))
+        _entered.push(self, (entry, permit))
         return permit
 
     async def __aexit__(
@@ -92,12 +92,7 @@ class _Limiter:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered = _entered.get()
-        index = next((i for i in reversed(range(len(entered))) if entered[i][0] is self), None)
-        if index is None:
-            raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        _, entry, _ = entered[index]
-        _entered.set(entered[:index] + entered[index + 1 :])
+        entry, _ = _entered.pop(self)
         try:
             await entry.cached.__aexit__(exc_type, exc, traceback)
         finally:
@@ -128,7 +123,7 @@ def current_permit(name: str | None = None) -> Permit:
     Raises:
         LookupError: The current task holds no such permit.
     """
-    for held, _, permit in reversed(_entered.get()):
+    for held, (_, permit) in _entered.innermost_first():
         if name is None or held._name == name:  # noqa: SLF001 -- _Limiter is this module's
             return permit
     what = "a limiter" if name is None else f"a limiter named {name!r}"

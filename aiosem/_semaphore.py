@@ -24,7 +24,6 @@ import math
 import secrets
 import time
 from abc import ABC, abstractmethod
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -48,6 +47,7 @@ from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit, log_fields
 from ._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
 from ._protocol import LIMIT_MISMATCH, Reply, Step
+from ._task_stack import TaskStack
 from ._timing import Backoff, Bound, Deadline, step_bound
 from ._validation import (
     check_callable,
@@ -194,7 +194,7 @@ class SemaphoreStatistics:
 #: The holds of the current task's ``async with`` blocks, innermost last.
 #: Each task runs in a context of its own, so tasks sharing one semaphore
 #: object never see each other's permits.
-_held: ContextVar[tuple[tuple[_Semaphore, Hold], ...]] = ContextVar("aiosem_held", default=())
+_held: TaskStack[_Semaphore, Hold] = TaskStack("aiosem_held")
 
 
 class _Semaphore(ABC):
@@ -1404,7 +1404,7 @@ class _Semaphore(ABC):
         hold = self._keep(permit, confirmed_at, lease, scope=scope, on_lost=self._on_lost)
         if scope is not None:
             scope.__enter__()
-        _held.set((*_held.get(), (self, hold)))
+        _held.push(self, hold)
         return permit
 
     async def __aexit__(
@@ -1427,12 +1427,7 @@ class _Semaphore(ABC):
                 for a whole lease.
             redis.RedisError: The release failed although the body completed.
         """
-        held = _held.get()
-        index = next((i for i in reversed(range(len(held))) if held[i][0] is self), None)
-        if index is None:
-            raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        hold = held[index][1]
-        _held.set(held[:index] + held[index + 1 :])
+        hold = _held.pop(self)
         # The body gave its permit back itself with `release`: nothing more to do.
         released = hold.lost is None and self._holds.get(hold.permit.identifier) is not hold
         self._drop_hold(hold)
