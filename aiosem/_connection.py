@@ -27,6 +27,7 @@ from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
+from ._background import Background
 from ._timing import SHORTEST_STEP_BOUND, Bound
 
 if TYPE_CHECKING:
@@ -339,7 +340,7 @@ async def check_eviction_policy(client: Client, key: str) -> None:
 
 #: The clients whose eviction policy is being looked at, and the tasks doing it.
 _policy_checking: weakref.WeakSet[Client] = weakref.WeakSet()
-_policy_checks: set[asyncio.Task[None]] = set()
+_policy_checks = Background()
 
 
 def watch_eviction_policy(client: Client, key: str) -> None:
@@ -351,14 +352,8 @@ def watch_eviction_policy(client: Client, key: str) -> None:
     if client in _policy_checked or client in _policy_checking:
         return
     _policy_checking.add(client)
-    task = asyncio.get_running_loop().create_task(check_eviction_policy(client, key), name="aiosem eviction policy")
-    _policy_checks.add(task)
-
-    def checked(done: asyncio.Task[None]) -> None:
-        _policy_checks.discard(done)
-        _policy_checking.discard(client)
-
-    task.add_done_callback(checked)
+    task = _policy_checks.start(check_eviction_policy(client, key), name="aiosem eviction policy")
+    task.add_done_callback(lambda _: _policy_checking.discard(client))
 
 
 def _config_values(reply: Any) -> dict[str, str]:

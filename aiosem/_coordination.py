@@ -22,6 +22,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 
+from ._background import Background
 from ._connection import REDIRECTS, keeping_connections, reroute
 
 if TYPE_CHECKING:
@@ -283,7 +284,8 @@ class Subscriber(_PerLoop):
         self._handlers: dict[str, Handler] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._subscribing: set[asyncio.Task[None]] = set()
+        #: Subscriptions being sent, each from a task of its own.
+        self._subscribing = Background()
         # redis-py's PubSub connects on its first command, and concurrent first
         # commands each connect: all but one subscription then lands on a
         # connection nobody reads. One command at a time.
@@ -310,8 +312,7 @@ class Subscriber(_PerLoop):
             ready = self._ready[channel] = self._loop.create_future()
             # Sent from a task of the subscriber's own, so that a caller
             # cancelled meanwhile cannot take the subscription from the others.
-            self._subscribing.add(task := self._loop.create_task(self._send_subscribe(channel, ready)))
-            task.add_done_callback(self._subscribing.discard)
+            self._subscribing.start(self._send_subscribe(channel, ready), name="aiosem subscribe")
         with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
             await asyncio.shield(ready)
 
@@ -518,7 +519,7 @@ class ShardedSubscriber(_PerLoop):
         self._nodes: dict[str, tuple[Subscriber, Redis]] = {}
         #: Every channel subscribed, or to subscribe again, with its handler.
         self._wanted: dict[str, Handler] = {}
-        self._resubscribing: set[asyncio.Task[None]] = set()
+        self._resubscribing = Background()
 
     async def subscribe(self, channel: str, listener: Listener) -> None:
         """Deliver the messages of ``channel`` to ``listener`` from now on, from the node of its slot.
@@ -567,9 +568,7 @@ class ShardedSubscriber(_PerLoop):
     def _dropped(self, handlers: dict[str, Handler]) -> None:
         wanted = {channel: handler for channel, handler in handlers.items() if self._wanted.get(channel) is handler}
         if wanted:
-            task = self._loop.create_task(self._resubscribe(wanted))
-            self._resubscribing.add(task)
-            task.add_done_callback(self._resubscribing.discard)
+            self._resubscribing.start(self._resubscribe(wanted), name="aiosem resubscribe")
 
     async def _resubscribe(self, handlers: dict[str, Handler]) -> None:
         failures = 0
@@ -607,12 +606,11 @@ def subscriber_of(client: Client) -> Subscriber | ShardedSubscriber:
     return Subscriber.of(client)
 
 
-#: Calls whose callers were cancelled, running on (a task must be referenced to run).
-_detached: set[asyncio.Future[Any]] = set()
+#: Calls whose callers were cancelled, running on.
+_detached = Background()
 
 
 def _ended(task: asyncio.Future[Any]) -> None:
-    _detached.discard(task)
     if not task.cancelled():
         task.exception()  # read: a caller that gave up on it hears of its own cancellation instead
 
@@ -628,7 +626,7 @@ async def detached(call: Awaitable[T], *, name: str) -> T:
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
         task.set_name(name)
-    _detached.add(task)
+    _detached.keep(task)
     task.add_done_callback(_ended)
     return await asyncio.shield(task)
 
@@ -655,7 +653,7 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
         task.set_name(name)
-    _detached.add(task)
+    _detached.keep(task)
     task.add_done_callback(_ended)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
