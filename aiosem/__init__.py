@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
-from ._config import aclose as aclose
 from ._config import configure as configure
 from ._decorators import current_permit as current_permit
 from ._decorators import limit_concurrency as limit_concurrency
@@ -24,6 +23,7 @@ from ._exceptions import PermitLost as PermitLost
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore as AsyncLockedSemaphore
+from ._loop_cache import aclose as aclose
 from ._observing import LimiterEvent as LimiterEvent
 from ._observing import add_observer as add_observer
 from ._observing import remove_observer as remove_observer

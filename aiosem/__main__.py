@@ -28,7 +28,8 @@ from urllib.parse import unquote, unquote_plus
 import redis
 from redis.exceptions import RedisClusterException
 
-from ._config import ENV_URL, Settings
+from ._config import Settings
+from ._default_client import ENV_URL
 from ._demo import KINDS, Config, embedded_server
 from ._demo import main as run_demo
 from ._keys import check_prefix

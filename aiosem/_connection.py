@@ -8,8 +8,8 @@ read under WATCH in one round trip and write in another, and a script be
 followed by a ``WAIT`` for its replicas on the connection that wrote.
 
 On a cluster, a slot that moves answers ``MOVED``, a slot that is moving
-``ASK`` or ``TRYAGAIN``: `reroute` learns the new layout, or waits for the
-move to settle, before the step is tried again.
+``ASK`` or ``TRYAGAIN``: `redirected` learns the new layout, or waits for
+the move to settle, before the step is tried again.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, Union
 
@@ -27,7 +27,8 @@ from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
-from ._timing import SHORTEST_STEP_BOUND, Bound
+from ._background import Background
+from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -58,7 +59,9 @@ logger = logging.getLogger("aiosem")
 #: "TTL exhausted", as a slot half-moved keeps answering TRYAGAIN): the step
 #: was not carried out, and is tried again on the slot's owner.
 REDIRECTS: Final = (AskError, TryAgainError, ClusterError)
-#: How long a step waits for a slot's move to settle, at most, between tries.
+#: How long a step waits for a slot's move to settle between tries: from the
+#: first pause, doubling, to the longest.
+_FIRST_SETTLE_PAUSE: Final = 0.005
 _SETTLE_PAUSE: Final = 0.05
 
 
@@ -85,19 +88,51 @@ def publish_command(client: object) -> str:
     return "SPUBLISH" if is_cluster(client) else "PUBLISH"
 
 
-async def reroute(client: Client, error: Exception, attempt: int) -> None:
-    """Prepare to try again a step that ``error``, a `REDIRECTS` answer, turned away.
+async def redirected(
+    client: Client, attempt: Callable[[], Awaitable[T]], *, bound: Bound | None = None, most: int | None = None
+) -> T:
+    """``await attempt()``, tried again on the slot's owner for as long as a cluster turns it away.
 
-    ``MOVED``: the slot has a new owner, and the client learns the layout
-    anew. ``ASK``/``TRYAGAIN``/``CLUSTERDOWN``: the slot is on its way (a
+    An attempt turned away (`REDIRECTS`) did nothing. ``MOVED``: the slot
+    has a new owner, and the client learns the layout anew before the next
+    attempt. ``ASK``/``TRYAGAIN``/``CLUSTERDOWN``: the slot is on its way (a
     script whose keys are not all on one side of the move cannot run until
-    it ends), and a pause lets the move settle (growing with ``attempt``,
-    up to 50 ms).
+    it ends), and the next attempt waits for the move to settle, after a
+    `Backoff` pause (5 ms, doubling, up to 50 ms).
+
+    The whole runs within ``bound``, if given -- a `Bound` the caller made,
+    entered here -- and the `redis.TimeoutError` it raises names the last
+    redirect as its cause: on a cluster, why it took so long. ``most``, if
+    given, also bounds how many redirects are followed. Without either, the
+    caller bounds the whole (a cancel scope).
+
+    Raises:
+        redis.TimeoutError: ``bound`` ran out.
+        redis.RedisError: What ``attempt`` raised; after ``most`` redirects,
+            the last one.
     """
-    if isinstance(error, MovedError) and isinstance(client, RedisCluster):
-        await client.nodes_manager.initialize()
-        return
-    await anyio.sleep(min(0.005 * (attempt + 1), _SETTLE_PAUSE))
+    redirect: Exception | None = None
+    try:
+        with bound if bound is not None else nullcontext():
+            backoff: Backoff | None = None  # made at the first pause: most calls never meet one
+            redirects = 0
+            while True:
+                try:
+                    return await attempt()
+                except REDIRECTS as error:  # noqa: PERF203 -- free until raised; the loop is for trying again
+                    if most is not None and redirects >= most:
+                        raise
+                    redirect = error
+                    redirects += 1
+                    if isinstance(error, MovedError) and isinstance(client, RedisCluster):
+                        await client.nodes_manager.initialize()
+                    else:
+                        backoff = backoff or Backoff(_SETTLE_PAUSE, first=_FIRST_SETTLE_PAUSE)
+                        await backoff.pause()
+    except redis.TimeoutError as error:
+        if redirect is None:
+            raise
+        raise error from redirect
 
 
 class PinnedConnection:
@@ -258,25 +293,22 @@ async def transaction(client: Client, key: str, *commands: Command) -> list[Any]
     Raises:
         redis.RedisError: Redis failed or could not be reached.
     """
-    with Bound(SHORTEST_STEP_BOUND, "a read-only transaction"):
-        return await _transaction(client, key, commands)
+
+    async def attempt() -> list[Any]:
+        try:
+            return await _transaction(client, key, commands)
+        except redis.ConnectionError:
+            return await _transaction(client, key, commands)
+
+    return await redirected(
+        client, attempt, bound=Bound(SHORTEST_STEP_BOUND, "a read-only transaction"), most=MOST_REDIRECTS
+    )
 
 
 async def _transaction(client: Client, key: str, commands: tuple[Command, ...]) -> list[Any]:
-    attempt = 0
-    while True:
-        try:
-            async with pinned_connection(client, key) as connection:
-                *_, replies = await connection.batch(("MULTI",), *commands, ("EXEC",))
-            return list(replies)
-        except REDIRECTS as error:
-            if attempt >= MOST_REDIRECTS:
-                raise
-            await reroute(client, error, attempt)
-        except redis.ConnectionError:
-            if attempt:
-                raise
-        attempt += 1
+    async with pinned_connection(client, key) as connection:
+        *_, replies = await connection.batch(("MULTI",), *commands, ("EXEC",))
+    return list(replies)
 
 
 def scored(reply: Any) -> list[tuple[str, float]]:
@@ -339,7 +371,7 @@ async def check_eviction_policy(client: Client, key: str) -> None:
 
 #: The clients whose eviction policy is being looked at, and the tasks doing it.
 _policy_checking: weakref.WeakSet[Client] = weakref.WeakSet()
-_policy_checks: set[asyncio.Task[None]] = set()
+_policy_checks = Background()
 
 
 def watch_eviction_policy(client: Client, key: str) -> None:
@@ -351,14 +383,8 @@ def watch_eviction_policy(client: Client, key: str) -> None:
     if client in _policy_checked or client in _policy_checking:
         return
     _policy_checking.add(client)
-    task = asyncio.get_running_loop().create_task(check_eviction_policy(client, key), name="aiosem eviction policy")
-    _policy_checks.add(task)
-
-    def checked(done: asyncio.Task[None]) -> None:
-        _policy_checks.discard(done)
-        _policy_checking.discard(client)
-
-    task.add_done_callback(checked)
+    task = _policy_checks.start(check_eviction_policy(client, key), name="aiosem eviction policy")
+    task.add_done_callback(lambda _: _policy_checking.discard(client))
 
 
 def _config_values(reply: Any) -> dict[str, str]:

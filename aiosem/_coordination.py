@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, NamedTuple, Protocol, TypeVar
@@ -22,7 +21,9 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 
-from ._connection import REDIRECTS, keeping_connections, reroute
+from ._background import Background
+from ._connection import keeping_connections, redirected
+from ._timing import Backoff
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -50,7 +51,7 @@ _PRUNE_INTERVAL: Final = 1.0
 #: PONG: a connection stalled without closing delivers nothing and fails
 #: nothing, and only an unanswered PING tells.
 _PROBE_AFTER: Final = 5.0
-#: Pauses between reconnection attempts grow by this much, up to the longest.
+#: Pauses between reconnection attempts: from the first, doubling, to the longest.
 _RECONNECT_PAUSE: Final = 0.05
 _LONGEST_RECONNECT_PAUSE: Final = 1.0
 
@@ -283,7 +284,8 @@ class Subscriber(_PerLoop):
         self._handlers: dict[str, Handler] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._subscribing: set[asyncio.Task[None]] = set()
+        #: Subscriptions being sent, each from a task of its own.
+        self._subscribing = Background()
         # redis-py's PubSub connects on its first command, and concurrent first
         # commands each connect: all but one subscription then lands on a
         # connection nobody reads. One command at a time.
@@ -310,8 +312,7 @@ class Subscriber(_PerLoop):
             ready = self._ready[channel] = self._loop.create_future()
             # Sent from a task of the subscriber's own, so that a caller
             # cancelled meanwhile cannot take the subscription from the others.
-            self._subscribing.add(task := self._loop.create_task(self._send_subscribe(channel, ready)))
-            task.add_done_callback(self._subscribing.discard)
+            self._subscribing.start(self._send_subscribe(channel, ready), name="aiosem subscribe")
         with anyio.fail_after(_SUBSCRIBE_TIMEOUT):
             await asyncio.shield(ready)
 
@@ -352,7 +353,7 @@ class Subscriber(_PerLoop):
             self._reader = self._loop.create_task(self._read())
 
     async def _read(self) -> None:
-        failures = 0
+        backoff = Backoff(_LONGEST_RECONNECT_PAUSE, first=_RECONNECT_PAUSE)
         task = asyncio.current_task()
         pubsub = self._pubsub
         heard, probed = self._loop.time(), None
@@ -367,11 +368,10 @@ class Subscriber(_PerLoop):
                     self._refuse(error)
                     continue
                 except redis.RedisError:
-                    failures += 1
-                    if not await self._read_on_after(failures):
+                    if not await self._read_on_after(backoff):
                         return
                     continue
-                failures = 0
+                backoff.reset()
                 if message is not None:
                     heard, probed = self._loop.time(), None
                     await self._deliver(message)
@@ -397,8 +397,8 @@ class Subscriber(_PerLoop):
                 except redis.RedisError:
                     logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
 
-    async def _read_on_after(self, failures: int) -> bool:
-        """Act on the reader's connection failing, for the ``failures``-th time in a row; whether to read on."""
+    async def _read_on_after(self, backoff: Backoff) -> bool:
+        """Act on the reader's connection failing (``backoff.failures`` times in a row before); whether to read on."""
         if self._on_dropped is not None:
             # Subscribed again elsewhere, wherever the slots went.
             logger.debug("a pub/sub connection to a cluster node failed", exc_info=True)
@@ -409,9 +409,9 @@ class Subscriber(_PerLoop):
             self._let_go()
             return False
         # redis-py reconnects and subscribes again on the next read.
-        if failures == 1:
+        if not backoff.failures:
             logger.warning("aiosem's pub/sub connection failed; reconnecting", exc_info=True)
-        await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+        await backoff.pause()
         return True
 
     async def _ping(self, pubsub: PubSub) -> None:
@@ -518,7 +518,7 @@ class ShardedSubscriber(_PerLoop):
         self._nodes: dict[str, tuple[Subscriber, Redis]] = {}
         #: Every channel subscribed, or to subscribe again, with its handler.
         self._wanted: dict[str, Handler] = {}
-        self._resubscribing: set[asyncio.Task[None]] = set()
+        self._resubscribing = Background()
 
     async def subscribe(self, channel: str, listener: Listener) -> None:
         """Deliver the messages of ``channel`` to ``listener`` from now on, from the node of its slot.
@@ -532,15 +532,13 @@ class ShardedSubscriber(_PerLoop):
             await self._subscribe_where_served(channel, weak)
 
     async def _subscribe_where_served(self, channel: str, handler: Handler) -> None:
-        for attempt in itertools.count():
+        # Bounded by the callers, as long as a subscription may take.
+        async def attempt() -> None:
             await self._client.initialize()
             node: ClusterNode = self._client.get_node_from_key(channel)  # type: ignore[assignment]
-            try:
-                await self._node_subscriber(node).subscribe(channel, handler)
-            except REDIRECTS as error:
-                await reroute(self._client, error, attempt)
-                continue
-            return
+            await self._node_subscriber(node).subscribe(channel, handler)
+
+        await redirected(self._client, attempt)
 
     def _node_subscriber(self, node: ClusterNode) -> Subscriber:
         entry = self._nodes.get(node.name)
@@ -567,12 +565,10 @@ class ShardedSubscriber(_PerLoop):
     def _dropped(self, handlers: dict[str, Handler]) -> None:
         wanted = {channel: handler for channel, handler in handlers.items() if self._wanted.get(channel) is handler}
         if wanted:
-            task = self._loop.create_task(self._resubscribe(wanted))
-            self._resubscribing.add(task)
-            task.add_done_callback(self._resubscribing.discard)
+            self._resubscribing.start(self._resubscribe(wanted), name="aiosem resubscribe")
 
     async def _resubscribe(self, handlers: dict[str, Handler]) -> None:
-        failures = 0
+        backoff = Backoff(_LONGEST_RECONNECT_PAUSE, first=_RECONNECT_PAUSE)
         while handlers:
             channel, handler = next(iter(handlers.items()))
             listener = handler()
@@ -588,14 +584,13 @@ class ShardedSubscriber(_PerLoop):
                     await self._subscribe_where_served(channel, handler)
             except (TimeoutError, redis.RedisError, redis.exceptions.RedisClusterException):
                 # The cluster is failing over, or the layout is in flux.
-                if failures == 0:
+                if not backoff.failures:
                     logger.warning("could not subscribe again to %s on the cluster; retrying", channel, exc_info=True)
-                failures += 1
-                await anyio.sleep(min(_RECONNECT_PAUSE * failures, _LONGEST_RECONNECT_PAUSE))
+                await backoff.pause()
                 with contextlib.suppress(Exception):
                     await self._client.nodes_manager.initialize()
                 continue
-            failures = 0
+            backoff.reset()
             del handlers[channel]
         await self._close_idle()
 
@@ -607,12 +602,11 @@ def subscriber_of(client: Client) -> Subscriber | ShardedSubscriber:
     return Subscriber.of(client)
 
 
-#: Calls whose callers were cancelled, running on (a task must be referenced to run).
-_detached: set[asyncio.Future[Any]] = set()
+#: Calls whose callers were cancelled, running on.
+_detached = Background()
 
 
 def _ended(task: asyncio.Future[Any]) -> None:
-    _detached.discard(task)
     if not task.cancelled():
         task.exception()  # read: a caller that gave up on it hears of its own cancellation instead
 
@@ -628,7 +622,7 @@ async def detached(call: Awaitable[T], *, name: str) -> T:
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
         task.set_name(name)
-    _detached.add(task)
+    _detached.keep(task)
     task.add_done_callback(_ended)
     return await asyncio.shield(task)
 
@@ -655,7 +649,7 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
         task.set_name(name)
-    _detached.add(task)
+    _detached.keep(task)
     task.add_done_callback(_ended)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds

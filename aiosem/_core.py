@@ -16,15 +16,13 @@ learns from it what was granted to its waiters.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-import anyio
 import redis
 
-from ._connection import REDIRECTS, Client, reroute
+from ._connection import Client, redirected
 from ._coordination import Lane, Submission, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory
 from ._holding import Holdings
@@ -43,7 +41,7 @@ if TYPE_CHECKING:
 
 #: The longest pause between tries of a step that has to happen.
 _MUST_STEP_PAUSE: Final = 0.005
-#: Pauses between tries of a release whose connection failed grow by this much.
+#: The first pause before a release whose connection failed is tried again (it doubles).
 _RETRY_PAUSE: Final = 0.05
 #: How often a release whose connection failed is tried again: enough for a
 #: connection closed under it, not to wait out a server that is down.
@@ -185,30 +183,23 @@ class Core:
         whose reply was lost did.
         """
         name = self.semaphore.name
-        redirect: Exception | None = None
-        failures = 0
+
+        async def attempt() -> Reply | None:
+            backoff: Backoff | None = None  # made at the first failure: most steps never meet one
+            while True:
+                try:
+                    return await self.backend.execute(step, identifiers, call)
+                except redis.ConnectionError:  # noqa: PERF203 -- free until raised; the loop is for trying again
+                    backoff = backoff or Backoff(_RETRY_PAUSE * 2, first=_RETRY_PAUSE)
+                    if not call or backoff.failures >= _RELEASE_RETRIES:
+                        raise
+                    await backoff.pause()
+
+        what = f"a {step.operation.value} step of semaphore {name!r}"
         try:
-            with Bound(
-                step_bound(self.semaphore.timeout), f"a {step.operation.value} step of semaphore {name!r}", spent=spent
-            ):
-                for attempt in itertools.count():
-                    try:
-                        reply = await self.backend.execute(step, identifiers, call)
-                    except REDIRECTS as error:
-                        redirect = error
-                        await reroute(self.client, error, attempt)
-                        continue
-                    except redis.ConnectionError:
-                        failures += 1
-                        if not call or failures > _RELEASE_RETRIES:
-                            raise
-                        await anyio.sleep(_RETRY_PAUSE * (failures - 1))
-                        continue
-                    break
-        except redis.TimeoutError as error:
-            if redirect is None:
-                raise
-            raise error from redirect  # on a cluster, why it took so long: the slot kept moving
+            reply = await redirected(
+                self.client, attempt, bound=Bound(step_bound(self.semaphore.timeout), what, spent=spent)
+            )
         except redis.exceptions.OutOfMemoryError as error:
             raise out_of_memory(error, name) from None  # one short traceback that names the semaphore
         replicas = self.semaphore.replicas

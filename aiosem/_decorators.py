@@ -3,7 +3,7 @@
 `limit_concurrency` and `limiter` limit how many calls run at once (a
 semaphore); `limit_rate` and `rate_limiter` how often they start (a rate
 limiter). All four find the object of a call in the running event loop's
-cache (`aiosem._config`), creating it on first use with the settings of the
+cache (`aiosem._loop_cache`), creating it on first use with the settings of the
 call -- its own arguments, then `configure`'s -- and count it in use while
 the call holds or waits, so that it is never evicted from under it. A rate
 limiter is in use only while a call waits for its slot: it holds nothing
@@ -26,23 +26,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, overload
 
-from ._config import (
-    LIMITS,
-    RATES,
-    Entry,
-    Kind,
-    LostCallback,
-    RateOptions,
-    SemaphoreOptions,
-    checkout,
-    rate_options,
-    semaphore_options,
-)
+from ._declarations import LIMITS, RATES
 from ._exceptions import AcquireTimeout, PermitLost
+from ._loop_cache import Entry, checkout
 from ._observing import log_fields
+from ._options import LimiterOptions, RateByNameOptions, refuse_unknown
+from ._specs import RateSpec, SemaphoreSpec, rate_spec, semaphore_spec
+from ._task_stack import TaskStack
 from ._validation import check_name
 
 if TYPE_CHECKING:
@@ -50,9 +42,11 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
     from types import TracebackType
 
-    from ._config import Semaphore
-    from ._connection import Client
+    from typing_extensions import Unpack
+
+    from ._options import LostCallback
     from ._semaphore import Permit
+    from ._specs import Semaphore
 
 __all__ = ["current_permit", "limit_concurrency", "limit_rate", "limiter", "rate_limiter"]
 
@@ -67,7 +61,7 @@ S = TypeVar("S")
 #: The limiters the current task is inside, innermost last, each with the
 #: cached object it entered and its permit. Tasks sharing one limiter never
 #: see each other's.
-_entered: ContextVar[tuple[tuple[_Limiter, Entry[Semaphore], Permit], ...]] = ContextVar("aiosem_limiters", default=())
+_entered: TaskStack[_Limiter, tuple[Entry[Semaphore], Permit]] = TaskStack("aiosem_limiters")
 
 
 class _Limiter:
@@ -75,7 +69,7 @@ class _Limiter:
 
     __slots__ = ("_name", "_options")
 
-    def __init__(self, name: str, options: SemaphoreOptions) -> None:
+    def __init__(self, name: str, options: SemaphoreSpec) -> None:
         self._name = name
         self._options = options
 
@@ -89,7 +83,7 @@ class _Limiter:
         except BaseException:
             entry.state.checkin(entry)
             raise
-        _entered.set((*_entered.get(), (self, entry, permit)))
+        _entered.push(self, (entry, permit))
         return permit
 
     async def __aexit__(
@@ -98,12 +92,7 @@ class _Limiter:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered = _entered.get()
-        index = next((i for i in reversed(range(len(entered))) if entered[i][0] is self), None)
-        if index is None:
-            raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        _, entry, _ = entered[index]
-        _entered.set(entered[:index] + entered[index + 1 :])
+        entry, _ = _entered.pop(self)
         try:
             await entry.cached.__aexit__(exc_type, exc, traceback)
         finally:
@@ -134,7 +123,7 @@ def current_permit(name: str | None = None) -> Permit:
     Raises:
         LookupError: The current task holds no such permit.
     """
-    for held, _, permit in reversed(_entered.get()):
+    for held, (_, permit) in _entered.innermost_first():
         if name is None or held._name == name:  # noqa: SLF001 -- _Limiter is this module's
             return permit
     what = "a limiter" if name is None else f"a limiter named {name!r}"
@@ -142,17 +131,7 @@ def current_permit(name: str | None = None) -> Permit:
 
 
 def limiter(
-    name: str,
-    limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
-    on_lost: LostCallback | None = None,
+    name: str, limit: int | None = None, **options: Unpack[LimiterOptions]
 ) -> AbstractAsyncContextManager[Permit]:
     """Limit a block of code by a semaphore's name.
 
@@ -181,20 +160,10 @@ def limiter(
         name: The semaphore's name.
         limit: How many permits may be held at once; ``None``: configured,
             or declared by a decorator.
-        timeout: The lease in seconds; default 10, or as configured.
-        blocking_timeout: How long to wait before raising `AcquireTimeout`,
-            in seconds; ``math.inf`` waits for ever. Default: as configured
-            (for ever).
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of every key; default ``"aiosem"``.
-        kind: ``"fair"`` (`AsyncFairSemaphore`) or ``"locked"``
-            (`AsyncLockedSemaphore`); default as configured (``"fair"``).
-        waiter_timeout: See `AsyncFairSemaphore`.
-        refresh_interval: How often the permit is refreshed; default a
-            third of ``timeout``.
-        on_lost: Called with the `PermitLost` if the permit is lost, instead
-            of cancelling the block.
+        **options: The semaphore's options (`LimiterOptions`):
+            ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
+            ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``;
+            each left out (or ``None``) is read from `configure`.
 
     Returns:
         An async context manager whose value is the `Permit`.
@@ -214,20 +183,8 @@ def limiter(
         behind, and leaving the block gives the permit back, shielded from
         cancellation and bounded to 5 s.
     """
-    return _Limiter(
-        check_name(name),
-        semaphore_options(
-            limit=limit,
-            timeout=timeout,
-            blocking_timeout=blocking_timeout,
-            prefix=prefix,
-            kind=kind,
-            client=client,
-            waiter_timeout=waiter_timeout,
-            refresh_interval=refresh_interval,
-            on_lost=on_lost,
-        ),
-    )
+    refuse_unknown(options, LimiterOptions, "limiter")
+    return _Limiter(check_name(name), semaphore_spec(limit, options))
 
 
 class _Loss:
@@ -260,7 +217,7 @@ class _GeneratorHold:
 
     __slots__ = ("_entry", "_loss", "_name", "_options", "_permit")
 
-    def __init__(self, name: str, options: SemaphoreOptions) -> None:
+    def __init__(self, name: str, options: SemaphoreSpec) -> None:
         self._name = name
         self._options = options
         self._loss = _Loss(options.on_lost)
@@ -299,7 +256,7 @@ class _GeneratorHold:
     async def _give_back(
         self, semaphore: Semaphore, permit: Permit, exc_type: type[BaseException] | None, exc: BaseException | None
     ) -> None:
-        lost = await semaphore._end_hold(permit, self._loss.lost, exc)  # noqa: SLF001 -- the semaphore's own ending
+        lost = await semaphore._core.holdings.end(permit, self._loss.lost, exc)  # noqa: SLF001 -- the semaphore's own ending
         if lost is None or lost is exc:
             return
         if exc is None:
@@ -321,7 +278,7 @@ class _RateLimiter:
 
     __slots__ = ("_name", "_options")
 
-    def __init__(self, name: str, options: RateOptions) -> None:
+    def __init__(self, name: str, options: RateSpec) -> None:
         self._name = name
         self._options = options
 
@@ -440,7 +397,7 @@ class _ConcurrencyLimit(_Decorator):
     __slots__ = ("_options",)
     _decorator = "limit_concurrency"
 
-    def __init__(self, name: str | Callable[..., str], options: SemaphoreOptions) -> None:
+    def __init__(self, name: str | Callable[..., str], options: SemaphoreSpec) -> None:
         super().__init__(name)
         self._options = options
 
@@ -462,7 +419,7 @@ class _RateLimit(_Decorator):
     __slots__ = ("_options",)
     _decorator = "limit_rate"
 
-    def __init__(self, name: str | Callable[..., str], options: RateOptions) -> None:
+    def __init__(self, name: str | Callable[..., str], options: RateSpec) -> None:
         super().__init__(name)
         self._options = options
 
@@ -477,17 +434,7 @@ class _RateLimit(_Decorator):
 
 
 def limit_concurrency(
-    name: str | Callable[..., str],
-    limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
-    on_lost: LostCallback | None = None,
+    name: str | Callable[..., str], limit: int | None = None, **options: Unpack[LimiterOptions]
 ) -> _ConcurrencyLimit:
     """Limit how many calls of an async function run at once, across every process.
 
@@ -536,21 +483,11 @@ def limit_concurrency(
             returning it.
         limit: How many calls may hold a permit at once; ``None``: the
             one ``configure(limits=...)`` gives for the name.
-        timeout: The lease in seconds; default 10, or as configured.
-        blocking_timeout: How long a call waits before raising
-            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
-            Default: as configured (for ever).
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of every key; default ``"aiosem"``.
-        kind: ``"fair"`` (`AsyncFairSemaphore`) or ``"locked"``
-            (`AsyncLockedSemaphore`); default as configured (``"fair"``).
-        waiter_timeout: See `AsyncFairSemaphore`.
-        refresh_interval: How often a held permit is refreshed; default a
-            third of ``timeout``.
-        on_lost: Called with the `PermitLost` if a call's permit is lost,
-            instead of cancelling the call; `PermitLost` is still raised
-            when the call ends.
+        **options: The semaphore's options (`LimiterOptions`):
+            ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
+            ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``
+            (`PermitLost` is then still raised when the call ends); each
+            left out (or ``None``) is read from `configure` at each call.
 
     Returns:
         The decorator.
@@ -569,17 +506,8 @@ def limit_concurrency(
     """
     if not (isinstance(name, str) or callable(name)):
         raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
-    checked = semaphore_options(
-        limit=limit,
-        timeout=timeout,
-        blocking_timeout=blocking_timeout,
-        prefix=prefix,
-        kind=kind,
-        client=client,
-        waiter_timeout=waiter_timeout,
-        refresh_interval=refresh_interval,
-        on_lost=on_lost,
-    )
+    refuse_unknown(options, LimiterOptions, "limit_concurrency")
+    checked = semaphore_spec(limit, options)
     if isinstance(name, str):
         check_name(name)
         if checked.limit is not None:
@@ -591,11 +519,7 @@ def limit_rate(
     name: str | Callable[..., str],
     rate: float | None = None,
     per: float | None = None,
-    *,
-    burst: int | None = None,
-    blocking_timeout: float | None = None,
-    client: Client | None = None,
-    prefix: str | None = None,
+    **options: Unpack[RateByNameOptions],
 ) -> _RateLimit:
     """Limit how often calls of an async function start, across every process.
 
@@ -641,14 +565,9 @@ def limit_rate(
         rate: How many calls may start per ``per`` seconds; ``None``: the
             rate ``configure(rates=...)`` gives for the name.
         per: The window in seconds (default 1); only with ``rate``.
-        burst: How many calls a limiter at rest lets start at once
-            (default 1: evenly spaced); only with ``rate``.
-        blocking_timeout: The longest wait for a slot before raising
-            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
-            Default: as configured (for ever).
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of the key; default ``"aiosem"``.
+        **options: The rate limiter's options (`RateByNameOptions`):
+            ``burst``, ``blocking_timeout``, ``client``, ``prefix``; each
+            left out (or ``None``) is read from `configure` at each call.
 
     Returns:
         The decorator.
@@ -667,9 +586,8 @@ def limit_rate(
     """
     if not (isinstance(name, str) or callable(name)):
         raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
-    checked = rate_options(
-        rate=rate, per=per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix, client=client
-    )
+    refuse_unknown(options, RateByNameOptions, "limit_rate")
+    checked = rate_spec(rate, per, options)
     if isinstance(name, str):
         check_name(name)
         if checked.rate is not None:
@@ -678,14 +596,7 @@ def limit_rate(
 
 
 def rate_limiter(
-    name: str,
-    rate: float | None = None,
-    per: float | None = None,
-    *,
-    burst: int | None = None,
-    blocking_timeout: float | None = None,
-    client: Client | None = None,
-    prefix: str | None = None,
+    name: str, rate: float | None = None, per: float | None = None, **options: Unpack[RateByNameOptions]
 ) -> AbstractAsyncContextManager[None]:
     """Limit how often a block of code starts, by a rate limiter's name.
 
@@ -709,14 +620,10 @@ def rate_limiter(
         rate: How many blocks may start per ``per`` seconds; ``None``:
             configured, or declared by a decorator.
         per: The window in seconds (default 1); only with ``rate``.
-        burst: How many blocks a limiter at rest lets start at once
-            (default 1); only with ``rate``.
-        blocking_timeout: The longest wait for a slot before raising
-            `AcquireTimeout`, in seconds; ``math.inf`` waits for ever.
-            Default: as configured (for ever).
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of the key; default ``"aiosem"``.
+        **options: The rate limiter's options (`RateByNameOptions`):
+            ``burst``, ``blocking_timeout``, ``client``, ``prefix``; each
+            left out (or ``None``) is read from `configure` when the block
+            is entered.
 
     Returns:
         An async context manager whose value is ``None``.
@@ -736,7 +643,5 @@ def rate_limiter(
         A wait cancelled gives its slot back if nobody reserved one after
         it; leaving the block has nothing to give back.
     """
-    return _RateLimiter(
-        check_name(name),
-        rate_options(rate=rate, per=per, burst=burst, blocking_timeout=blocking_timeout, prefix=prefix, client=client),
-    )
+    refuse_unknown(options, RateByNameOptions, "rate_limiter")
+    return _RateLimiter(check_name(name), rate_spec(rate, per, options))

@@ -6,16 +6,18 @@ import math
 from typing import TYPE_CHECKING
 
 from ._connection import Client, publish_command
+from ._options import SemaphoreOptions, refuse_unknown
 from ._protocol import Operation, Reply, Step, parse_reply
 from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
 from ._semaphore import _Semaphore
 from ._timing import step_bound
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
+
+    from typing_extensions import Unpack
 
     from ._keys import SemaphoreKeys
-    from ._semaphore import LostCallback
 
 __all__ = ["AsyncFairSemaphore", "fair_step"]
 
@@ -96,35 +98,14 @@ class AsyncFairSemaphore(_Semaphore):
     with one message. The data is laid out as in *Redis in Action* (see
     `aiosem.recipes`), and each permit carries a fencing token.
 
+    Its keyword options (`SemaphoreOptions`, each described below) are
+    ``timeout`` (the lease), ``blocking_timeout``, ``prefix``, ``clock``,
+    ``waiter_timeout``, ``refresh_interval``, ``on_lost`` and ``replicas``.
+
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows it.
         name: The semaphore's name: any non-empty string.
         limit: How many permits may be held at once (at least 1).
-        timeout: The lease in seconds: a permit neither refreshed nor
-            released within it is reclaimed. Every user of a semaphore must
-            use the same lease.
-        blocking_timeout: How long `acquire` and ``async with`` wait by
-            default, in seconds; ``None`` waits for ever.
-        prefix: The first part of every key (no braces).
-        clock: Read the time here instead of on the Redis server, e.g.
-            ``time.time`` for a server that forbids ``TIME`` in scripts (then
-            every client's clock must agree), or a fake clock in tests.
-        waiter_timeout: How long a queued waiter whose process stopped
-            answering keeps its place, in seconds (at most ``timeout``;
-            default: the smaller of 2 s and ``timeout``). Each process proves
-            its waiters alive three times per ``waiter_timeout``.
-        refresh_interval: How often a permit held through ``async with`` (or
-            taken with ``acquire(auto_refresh=True)``) is refreshed, in
-            seconds; less than ``timeout``, default a third of it.
-        on_lost: If set, a permit lost under an ``async with`` body calls
-            ``on_lost(PermitLost)`` (in a background task: it must not
-            block) and the body runs on, instead of being cancelled; the
-            block still raises `PermitLost` as it ends.
-        replicas: Follow each acquire and refresh with a ``WAIT`` until this
-            many replicas have it (at most ``waiter_timeout``; fewer raises
-            `NotReplicated`), so that a failover to a replica cannot forget
-            a permit its holder was told it has. 0, the default, waits for
-            none: Redis replicates asynchronously. See the deployment page.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -135,35 +116,9 @@ class AsyncFairSemaphore(_Semaphore):
 
     _relays = True
 
-    def __init__(
-        self,
-        client: Client,
-        name: str,
-        limit: int,
-        *,
-        timeout: float = 10.0,
-        blocking_timeout: float | None = None,
-        prefix: str = "aiosem",
-        clock: Callable[[], float] | None = None,
-        waiter_timeout: float | None = None,
-        refresh_interval: float | None = None,
-        on_lost: LostCallback | None = None,
-        replicas: int = 0,
-    ) -> None:
-        # Its own signature, so that a wrong keyword is refused in this class's name.
-        super().__init__(
-            client,
-            name,
-            limit,
-            timeout=timeout,
-            blocking_timeout=blocking_timeout,
-            prefix=prefix,
-            clock=clock,
-            waiter_timeout=waiter_timeout,
-            refresh_interval=refresh_interval,
-            on_lost=on_lost,
-            replicas=replicas,
-        )
+    def __init__(self, client: Client, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> None:
+        refuse_unknown(options, SemaphoreOptions, "AsyncFairSemaphore.__init__")
+        super().__init__(client, name, limit, options)
 
     async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply:
         return await fair_step(

@@ -18,16 +18,19 @@ from typing import TYPE_CHECKING, ClassVar, Final, Protocol
 
 import anyio
 
-from ._coordination import raise_if_cancel_swallowed
+from ._coordination import raise_if_cancel_swallowed, to_the_end
 from ._exceptions import PermitLost
 from ._observing import emit_permit, log_fields
 from ._protocol import Step
+from ._task_stack import TaskStack
+from ._timing import Backoff
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from types import TracebackType
 
     from ._core import Core
-    from ._semaphore import Permit
+    from ._semaphore import Permit, _Semaphore
 
 logger = logging.getLogger("aiosem")
 
@@ -182,7 +185,7 @@ class Refresher:
                 self._wake.set()
 
 
-#: Pauses between tries of a failing refresh grow by this much, up to a refresh interval.
+#: The first pause before a failing refresh is tried again (it doubles, up to a refresh interval).
 _RETRY_PAUSE: Final = 0.05
 
 
@@ -195,13 +198,13 @@ class Holdings:
     Redis did not answer, is lost.
     """
 
-    __slots__ = ("__weakref__", "_core", "_failures", "_holds")
+    __slots__ = ("__weakref__", "_backoff", "_core", "_holds")
 
     def __init__(self, core: Core) -> None:
         self._core = core
         #: Permits kept alive, by identifier.
         self._holds: dict[str, Hold] = {}
-        self._failures = 0
+        self._backoff = Backoff(core.semaphore.refresh_interval, first=_RETRY_PAUSE)
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -302,9 +305,9 @@ class Holdings:
             return None
         next_round = min(self._next_round(hold) for hold in self._holds.values())
         if values is None:
-            pause = min(_RETRY_PAUSE * self._failures, self._core.semaphore.refresh_interval)
+            pause = self._backoff.next_pause()
             return min(now + pause, next_round, *(h.confirmed_at + h.lease for h in self._holds.values()))
-        self._failures = 0
+        self._backoff.reset()
         return next_round
 
     async def _refresh_step(self, holds: list[Hold], until: float) -> Sequence[int] | None:
@@ -323,8 +326,7 @@ class Holdings:
             try:
                 values, _ = await self._core.submit(Step.REFRESH, [hold.permit.identifier for hold in holds])
             except Exception:
-                self._failures += 1
-                if self._failures == 1:
+                if not self._backoff.failures:
                     logger.warning(
                         "refreshing the permits held through %r failed; retrying",
                         self._core.semaphore,
@@ -334,3 +336,81 @@ class Holdings:
             else:
                 return values
         return None
+
+    # --- async with ---------------------------------------------------------------
+
+    def enter(
+        self, permit: Permit, confirmed_at: float, lease: float, *, on_lost: Callable[[PermitLost], object] | None
+    ) -> None:
+        """Keep the permit of an ``async with`` body alive, and cancel the body if it is lost (unless ``on_lost``)."""
+        scope = anyio.CancelScope() if on_lost is None else None
+        hold = self.keep(permit, confirmed_at, lease, scope=scope, on_lost=on_lost)
+        if scope is not None:
+            scope.__enter__()
+        _entered.push(self._core.semaphore, hold)
+
+    async def exit(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        """End the current task's innermost ``async with`` body: see `_Semaphore.__aexit__`."""
+        hold = _entered.pop(self._core.semaphore)
+        # The body gave its permit back itself with `release`: nothing more to do.
+        released = hold.lost is None and self._holds.get(hold.permit.identifier) is not hold
+        self.drop(hold)
+        permit = hold.permit
+        # The scope swallows the cancellation it delivered itself, no other.
+        try:
+            ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
+        except BaseException as error:
+            # A scope left out of order (a framework that nests blocks badly)
+            # must not keep the permit until its lease runs out.
+            if not released:
+                await self.end(permit, hold.lost, error)
+            raise
+        if released:
+            return
+        lost = await self.end(permit, hold.lost, exc)
+        if lost is None:
+            return
+        if ours:
+            raise lost from None
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            logger.warning(
+                "%s was lost while its body was being cancelled",
+                permit,
+                extra=log_fields(permit.name, permit.identifier),
+            )
+            return
+        raise lost
+
+    async def end(self, permit: Permit, lost: PermitLost | None, exc: BaseException | None) -> PermitLost | None:
+        """Release a held permit as its holder ends, shielded and bounded; return its loss, if any.
+
+        A permit known lost is not released: it is gone, or its lease may
+        have run out while Redis was out of reach, and a release would only
+        keep the holder waiting on that. A release that fails after the
+        holder raised ``exc`` is logged; after a holder that completed, it
+        is raised.
+        """
+        if lost is not None:
+            return lost
+        try:
+            released = await to_the_end(self._core.semaphore.release(permit), name=f"the release of {permit}")
+        except Exception:
+            if exc is None:
+                raise
+            logger.warning(
+                "releasing %s failed after its holder raised",
+                permit,
+                exc_info=True,
+                extra=log_fields(permit.name, permit.identifier),
+            )
+            return None  # nothing more is known than before
+        if released:
+            return None
+        emit_permit("lost", permit)
+        return PermitLost(name=permit.name, identifier=permit.identifier)
+
+
+#: The holds of the current task's ``async with`` blocks, each under its semaphore object.
+_entered: TaskStack[_Semaphore, Hold] = TaskStack("aiosem_held")

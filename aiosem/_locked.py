@@ -18,16 +18,18 @@ from ._connection import Client, Command, PinnedConnection, pinned_connection, p
 from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._observing import log_fields
+from ._options import DEFAULT_LOCK_TIMEOUT, LockedSemaphoreOptions, refuse_unknown
 from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
 from ._semaphore import _Semaphore
 from ._timing import Bound
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
+
+    from typing_extensions import Unpack
 
     from ._keys import SemaphoreKeys
-    from ._semaphore import LostCallback
 
 __all__ = ["AsyncLockedSemaphore"]
 
@@ -73,36 +75,17 @@ class AsyncLockedSemaphore(_Semaphore):
     ``redis.exceptions.OutOfMemoryError``), having written nothing, and a
     permit kept alive is lost when its lease runs out.
 
+    Its keyword options (`LockedSemaphoreOptions`, each described below)
+    are those of `AsyncFairSemaphore` -- ``timeout`` (the lease),
+    ``blocking_timeout``, ``prefix``, ``clock``, ``waiter_timeout``,
+    ``refresh_interval``, ``on_lost``, ``replicas`` -- and
+    ``lock_timeout``, the longest the step lock may live.
+
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows one
             connection of its pool per step.
         name: The semaphore's name: any non-empty string.
         limit: How many permits may be held at once (at least 1).
-        timeout: The lease in seconds: a permit neither refreshed nor
-            released within it is reclaimed. Every user of a semaphore must
-            use the same lease.
-        blocking_timeout: How long `acquire` and ``async with`` wait by
-            default, in seconds; ``None`` waits for ever.
-        prefix: The first part of every key (no braces).
-        clock: Read the time here instead of on the Redis server (see
-            `AsyncFairSemaphore`).
-        waiter_timeout: How long a queued waiter whose process stopped
-            answering keeps its place (see `AsyncFairSemaphore`).
-        refresh_interval: How often permits held through ``async with``
-            are refreshed (see `AsyncFairSemaphore`).
-        on_lost: Notify instead of cancelling (see `AsyncFairSemaphore`).
-        replicas: Wait for this many replicas to have each acquire and
-            refresh (see `AsyncFairSemaphore`).
-        lock_timeout: The longest the step lock may live, in seconds. It
-            is set to expire after this, or after a quarter of the shorter
-            of ``timeout`` and ``waiter_timeout`` (but at least 10 ms) if
-            that is shorter: 0.5 s with the defaults, 0.25 s with a lease
-            of 1 s. Each step deletes its lock as it commits;
-            the lock stays only when its process crashes, stalls or is cut
-            off mid-step, and holds everyone else's steps up for no longer
-            than this -- well within the lease, so that holders refreshing
-            on time and live waiters lose nothing by it. A step must end
-            within it: a step slower than its lock is tried again.
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -111,35 +94,10 @@ class AsyncLockedSemaphore(_Semaphore):
 
     __slots__ = ("_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
 
-    def __init__(
-        self,
-        client: Client,
-        name: str,
-        limit: int,
-        *,
-        timeout: float = 10.0,
-        blocking_timeout: float | None = None,
-        prefix: str = "aiosem",
-        clock: Callable[[], float] | None = None,
-        waiter_timeout: float | None = None,
-        refresh_interval: float | None = None,
-        on_lost: LostCallback | None = None,
-        replicas: int = 0,
-        lock_timeout: float = 1.0,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            limit,
-            timeout=timeout,
-            blocking_timeout=blocking_timeout,
-            prefix=prefix,
-            clock=clock,
-            waiter_timeout=waiter_timeout,
-            refresh_interval=refresh_interval,
-            on_lost=on_lost,
-            replicas=replicas,
-        )
+    def __init__(self, client: Client, name: str, limit: int, **options: Unpack[LockedSemaphoreOptions]) -> None:
+        refuse_unknown(options, LockedSemaphoreOptions, "AsyncLockedSemaphore.__init__")
+        lock_timeout = options.pop("lock_timeout", DEFAULT_LOCK_TIMEOUT)
+        super().__init__(client, name, limit, options)
         share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(self._timeout, self._waiter_ttl) * _LOCK_SHARE * 1000))
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
         #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.

@@ -17,22 +17,17 @@ from ._coordination import to_the_end
 from ._exceptions import AcquireTimeout, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
+from ._options import DEFAULT_PREFIX, RateLimiterOptions, refuse_unknown
 from ._scripts import RATE_ACQUIRE
 from ._semaphore import DEFAULT, _Default
 from ._timing import SHORTEST_STEP_BOUND, Bound
-from ._validation import (
-    check_burst,
-    check_client,
-    check_interval,
-    check_name,
-    check_now,
-    check_positive,
-    check_wait,
-)
+from ._validation import check_callable, check_client, check_name, check_now, check_rate, check_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable
     from types import TracebackType
+
+    from typing_extensions import Unpack
 
     from ._connection import Client
 
@@ -63,19 +58,15 @@ class AsyncRateLimiter:
     taken at once by a limiter that was at rest. The key expires when the
     limiter comes to rest: nothing is stored per call, nor for an idle name.
 
+    Its keyword options (`RateLimiterOptions`, each described below) are
+    ``burst``, ``blocking_timeout``, ``prefix`` and ``clock``.
+
     Args:
         client: A ``redis.asyncio.Redis`` client; the limiter borrows it.
         name: The limiter's name: any non-empty string. Its key shares the
             hash tag of the semaphore of the same name.
         rate: How many calls per ``per`` seconds (a positive number).
         per: The window, in seconds (positive; default 1).
-        burst: How many calls an idle limiter lets through at once (at
-            least 1, the default: calls are spaced evenly).
-        blocking_timeout: How long `acquire` and ``async with`` wait by
-            default, in seconds; ``None`` waits for ever.
-        prefix: The first part of the key (no braces).
-        clock: Read the time here instead of on the Redis server (as the
-            semaphores' ``clock``; then every client's clock must agree).
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -85,27 +76,14 @@ class AsyncRateLimiter:
     __slots__ = ("_blocking_timeout", "_burst", "_client", "_clock", "_interval_us", "_key", "_name", "_per", "_rate")
 
     def __init__(
-        self,
-        client: Client,
-        name: str,
-        rate: float,
-        per: float = 1.0,
-        *,
-        burst: int = 1,
-        blocking_timeout: float | None = None,
-        prefix: str = "aiosem",
-        clock: Callable[[], float] | None = None,
+        self, client: Client, name: str, rate: float, per: float = 1.0, **options: Unpack[RateLimiterOptions]
     ) -> None:
+        refuse_unknown(options, RateLimiterOptions, "AsyncRateLimiter.__init__")
         self._name = check_name(name)
-        self._rate = check_positive(rate, "rate")
-        self._per = check_positive(per, "per")
-        check_interval(self._rate, self._per)
-        self._burst = check_burst(burst)
-        self._blocking_timeout = check_wait(blocking_timeout)
-        self._key = SemaphoreKeys.for_name(check_prefix(prefix), name).rate
-        if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
-        self._clock = clock
+        self._rate, self._per, self._burst = check_rate(rate, per, options.get("burst", 1))
+        self._blocking_timeout = check_wait(options.get("blocking_timeout"))
+        self._key = SemaphoreKeys.for_name(check_prefix(options.get("prefix", DEFAULT_PREFIX)), name).rate
+        self._clock = check_callable(options.get("clock"), "clock")
         self._client = check_client(client)
         self._interval_us = max(1, round(self._per / self._rate * _MICROSECONDS))
 

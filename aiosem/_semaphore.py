@@ -22,11 +22,9 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Final, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Final
 
-import anyio
 import redis
 
 from ._connection import (
@@ -37,43 +35,33 @@ from ._connection import (
     transaction,
     watch_eviction_policy,
 )
-from ._coordination import detached, to_the_end
+from ._coordination import detached
 from ._core import Backend, Core
-from ._exceptions import AcquireTimeout, LimitMismatch, PermitLost, out_of_memory
+from ._exceptions import AcquireTimeout, LimitMismatch, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
-from ._observing import emit, emit_permit, log_fields
+from ._observing import emit, emit_permit
+from ._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
 from ._protocol import LIMIT_MISMATCH, Reply, Step
 from ._timing import step_bound
 from ._validation import (
+    check_callable,
     check_client,
     check_limit,
     check_name,
     check_now,
     check_replicas,
     check_timeout,
+    check_upkeep,
     check_wait,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
     from types import TracebackType
 
-    from ._holding import Hold
-
-    #: Called with the loss of a permit kept alive.
-    LostCallback: TypeAlias = Callable[[PermitLost], object]
+    from ._options import LostCallback, SemaphoreOptions
 
 logger = logging.getLogger("aiosem")
-
-#: The default waiter timeout, unless the lease is shorter.
-_WAITER_TIMEOUT: Final = 2.0
-#: The longest pause between tries of a step that has to happen.
-_MUST_STEP_PAUSE: Final = 0.005
-#: Pauses between tries of a release whose connection failed grow by this much.
-_RETRY_PAUSE: Final = 0.05
-#: How often a release whose connection failed is tried again: enough for a
-#: connection closed under it, not to wait out a server that is down.
-_RELEASE_RETRIES: Final = 3
 
 
 class _Default(enum.Enum):
@@ -141,7 +129,6 @@ class SemaphoreStatistics:
 #: The holds of the current task's ``async with`` blocks, innermost last.
 #: Each task runs in a context of its own, so tasks sharing one semaphore
 #: object never see each other's permits.
-_held: ContextVar[tuple[tuple[_Semaphore, Hold], ...]] = ContextVar("aiosem_held", default=())
 
 
 class _Semaphore(ABC):
@@ -165,47 +152,20 @@ class _Semaphore(ABC):
     #: Whether the backend's steps relay a mutex through runs of one object's waiters (see `Relay`).
     _relays: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        client: Client,
-        name: str,
-        limit: int,
-        *,
-        timeout: float = 10.0,
-        blocking_timeout: float | None = None,
-        prefix: str = "aiosem",
-        clock: Callable[[], float] | None = None,
-        waiter_timeout: float | None = None,
-        refresh_interval: float | None = None,
-        on_lost: LostCallback | None = None,
-        replicas: int = 0,
-    ) -> None:
+    def __init__(self, client: Client, name: str, limit: int, options: SemaphoreOptions) -> None:
+        # Each public class takes ``**options`` and refuses unknown ones in its own name.
         check_cluster_support(check_client(client))
         self._name = check_name(name)
         self._limit = check_limit(limit)
-        self._timeout = check_timeout(timeout)
-        self._blocking_timeout = check_wait(blocking_timeout)
-        self._keys = SemaphoreKeys.for_name(check_prefix(prefix), name)
-        if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be callable or None, not {type(clock).__name__}")
-        if waiter_timeout is None:
-            self._waiter_ttl = min(_WAITER_TIMEOUT, self._timeout)
-        else:
-            self._waiter_ttl = check_timeout(waiter_timeout, "waiter_timeout")
-            if self._waiter_ttl > self._timeout:
-                raise ValueError(f"waiter_timeout must not exceed timeout ({self._timeout:g} s), got {waiter_timeout}")
-        if refresh_interval is None:
-            self._refresh_interval = self._timeout / 3
-        else:
-            self._refresh_interval = check_timeout(refresh_interval, "refresh_interval")
-            if self._refresh_interval >= self._timeout:
-                raise ValueError(
-                    f"refresh_interval must be shorter than timeout ({self._timeout:g} s), got {refresh_interval}"
-                )
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
-        self._on_lost = on_lost
-        self._replicas = check_replicas(replicas)
+        self._timeout = check_timeout(options.get("timeout", DEFAULT_TIMEOUT))
+        self._blocking_timeout = check_wait(options.get("blocking_timeout"))
+        self._keys = SemaphoreKeys.for_name(check_prefix(options.get("prefix", DEFAULT_PREFIX)), name)
+        clock = check_callable(options.get("clock"), "clock")
+        self._waiter_ttl, self._refresh_interval = check_upkeep(
+            options.get("waiter_timeout"), options.get("refresh_interval"), self._timeout
+        )
+        self._on_lost: LostCallback | None = check_callable(options.get("on_lost"), "on_lost")
+        self._replicas = check_replicas(options.get("replicas", 0))
         self._client = client
         self._clock = clock
         self._core = Core(
@@ -585,34 +545,6 @@ class _Semaphore(ABC):
             local_waiters=len(self._core.queue),
         )
 
-    async def _end_hold(self, permit: Permit, lost: PermitLost | None, exc: BaseException | None) -> PermitLost | None:
-        """Release a held permit as its holder ends, shielded and bounded; return its loss, if any.
-
-        A permit known lost is not released: it is gone, or its lease may
-        have run out while Redis was out of reach, and a release would only
-        keep the holder waiting on that. A release that fails after the
-        holder raised ``exc`` is logged; after a holder that completed, it
-        is raised.
-        """
-        if lost is not None:
-            return lost
-        try:
-            released = await to_the_end(self.release(permit), name=f"the release of {permit}")
-        except Exception:
-            if exc is None:
-                raise
-            logger.warning(
-                "releasing %s failed after its holder raised",
-                permit,
-                exc_info=True,
-                extra=log_fields(permit.name, permit.identifier),
-            )
-            return None  # nothing more is known than before
-        if released:
-            return None
-        emit_permit("lost", permit)
-        return PermitLost(name=self._name, identifier=permit.identifier)
-
     async def __aenter__(self) -> Permit:
         """Acquire a permit for the body, waiting up to ``blocking_timeout``, and keep it alive.
 
@@ -635,11 +567,7 @@ class _Semaphore(ABC):
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
         permit, confirmed_at, lease = taken
-        scope = anyio.CancelScope() if self._on_lost is None else None
-        hold = self._core.holdings.keep(permit, confirmed_at, lease, scope=scope, on_lost=self._on_lost)
-        if scope is not None:
-            scope.__enter__()
-        _held.set((*_held.get(), (self, hold)))
+        self._core.holdings.enter(permit, confirmed_at, lease, on_lost=self._on_lost)
         return permit
 
     async def __aexit__(
@@ -662,37 +590,4 @@ class _Semaphore(ABC):
                 for a whole lease.
             redis.RedisError: The release failed although the body completed.
         """
-        held = _held.get()
-        index = next((i for i in reversed(range(len(held))) if held[i][0] is self), None)
-        if index is None:
-            raise RuntimeError(f"{self!r}: __aexit__ without a matching __aenter__ in this task")
-        hold = held[index][1]
-        _held.set(held[:index] + held[index + 1 :])
-        # The body gave its permit back itself with `release`: nothing more to do.
-        released = hold.lost is None and self._core.holdings.get(hold.permit.identifier) is not hold
-        self._core.holdings.drop(hold)
-        permit = hold.permit
-        # The scope swallows the cancellation it delivered itself, no other.
-        try:
-            ours = hold.scope is not None and bool(hold.scope.__exit__(exc_type, exc, traceback))
-        except BaseException as error:
-            # A scope left out of order (a framework that nests blocks badly)
-            # must not keep the permit until its lease runs out.
-            if not released:
-                await self._end_hold(permit, hold.lost, error)
-            raise
-        if released:
-            return
-        lost = await self._end_hold(permit, hold.lost, exc)
-        if lost is None:
-            return
-        if ours:
-            raise lost from None
-        if isinstance(exc, anyio.get_cancelled_exc_class()):
-            logger.warning(
-                "%s was lost while its body was being cancelled",
-                permit,
-                extra=log_fields(permit.name, permit.identifier),
-            )
-            return
-        raise lost
+        await self._core.holdings.exit(exc_type, exc, traceback)

@@ -1,4 +1,4 @@
-"""Deadlines, bounds and polling back-off, shared by every loop that waits."""
+"""Deadlines, bounds and the one retry back-off, shared by every loop that waits or tries again."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def step_bound(lease: float) -> float:
     return max(lease, SHORTEST_STEP_BOUND)
 
 
-#: The first pause of a polling loop, and the longest.
-_FIRST_PAUSE = 0.001
-_LONGEST_PAUSE = 0.05
+#: The first pause of a polling loop, and the longest, unless told.
+_FIRST_PAUSE: Final = 0.001
+_LONGEST_PAUSE: Final = 0.05
 
 
 class Deadline:
@@ -44,27 +44,61 @@ class Deadline:
 
 
 class Backoff:
-    """Exponential back-off with jitter for polling loops.
+    """The one retry policy: a pause that doubles with each failure in a row, capped, jittered.
 
-    Pauses double from 1 ms to at most ``longest`` (50 ms unless told), and
-    each is drawn uniformly from its upper half so that pollers started
-    together drift apart: no hot loop, and no herd arriving in step.
+    Every loop that tries again after a failure -- a poller finding a lock
+    busy, a reader whose connection failed, a step turned away by a moving
+    slot -- pauses through one of these. Pauses double from ``first`` (1 ms
+    unless told) to at most ``longest`` (50 ms unless told), and each is
+    drawn uniformly from the upper half of its ceiling, so that callers that
+    failed together drift apart: no hot loop, and no herd arriving in step.
+    A pause is cut short by a `Deadline`, if given; `reset` after a success
+    starts again from ``first``.
+
+        backoff = Backoff(1.0, first=0.05)
+        while True:
+            try:
+                await read()
+            except redis.ConnectionError:
+                if not backoff.failures:
+                    logger.warning("reading failed; retrying")  # once per run of failures
+                await backoff.pause()
+                continue
+            backoff.reset()
     """
 
-    __slots__ = ("_ceiling", "_longest")
+    __slots__ = ("_ceiling", "_first", "_longest", "failures")
 
-    def __init__(self, longest: float = _LONGEST_PAUSE) -> None:
-        self._ceiling = _FIRST_PAUSE
+    def __init__(self, longest: float = _LONGEST_PAUSE, *, first: float = _FIRST_PAUSE) -> None:
+        self._first = first
         self._longest = longest
+        self._ceiling = min(first, longest)
+        #: How many pauses were taken since the start or the last `reset`: the failures in a row.
+        self.failures = 0
 
-    async def pause(self, deadline: Deadline) -> None:
-        """Sleep for the next pause, cut short by ``deadline``."""
+    def __repr__(self) -> str:
+        return f"Backoff(first={self._first:g}, longest={self._longest:g}, failures={self.failures})"
+
+    def next_pause(self, deadline: Deadline | None = None) -> float:
+        """Count a failure, and return how long to pause before the next try (never past ``deadline``).
+
+        For a loop that sleeps by other means -- a timer, a wait on an event
+        bounded by the pause -- rather than through `pause`.
+        """
         pause = random.uniform(self._ceiling / 2, self._ceiling)  # noqa: S311 -- jitter, not secrets
         self._ceiling = min(self._ceiling * 2, self._longest)
-        remaining = deadline.remaining()
-        if remaining is not None:
-            pause = min(pause, remaining)
-        await anyio.sleep(pause)
+        self.failures += 1
+        remaining = None if deadline is None else deadline.remaining()
+        return pause if remaining is None else min(pause, remaining)
+
+    async def pause(self, deadline: Deadline | None = None) -> None:
+        """Count a failure, and sleep before the next try, cut short by ``deadline``."""
+        await anyio.sleep(self.next_pause(deadline))
+
+    def reset(self) -> None:
+        """A try succeeded: the next failure pauses ``first`` again."""
+        self._ceiling = min(self._first, self._longest)
+        self.failures = 0
 
 
 class Bound:

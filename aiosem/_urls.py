@@ -44,12 +44,41 @@ POOL_TIMEOUT: Final = 5.0
 SERVER_SCHEMES: Final = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES: Final = ("redis+sentinel", "rediss+sentinel")
+#: The URL of the embedded, in-process store (fakeredis): what aiosem uses when nothing is configured.
+MEMORY_URL: Final = "memory://"
+_SCHEMES: Final = (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES, "memory")
 _DEFAULT_PORT: Final = 6379
 _DEFAULT_SENTINEL_PORT: Final = 26379
 
 #: The sentinels behind each client made from a ``redis+sentinel://`` URL:
 #: closing the client closes their connections too.
 _sentinels: weakref.WeakKeyDictionary[Any, Sentinel] = weakref.WeakKeyDictionary()
+
+
+def check_url(value: object, argument: str = "url") -> str:
+    """A URL aiosem can connect to, ``memory://`` included; the message never repeats it (it may hold a password)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
+    try:
+        parts = urlsplit(value)
+    except ValueError as error:
+        raise ValueError(f"{argument}: {error}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        shown = f"a {scheme}:// URL" if scheme else "no URL scheme"
+        raise ValueError(
+            f"{argument} must be a redis://, rediss://, unix://, redis+cluster://, redis+sentinel:// "
+            f"or memory:// URL, got {shown}"
+        )
+    if scheme == "memory" and (parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment):
+        raise ValueError(f"{argument}: a memory:// URL takes no host, path or options")
+    check_url_form(value, argument)
+    return value
+
+
+def is_memory(url: str) -> bool:
+    """Whether ``url`` names the embedded store."""
+    return urlsplit(url).scheme.lower() == "memory"
 
 
 def check_url_form(url: str, argument: str) -> None:

@@ -1,4 +1,4 @@
-"""Argument checks shared by the semaphores and the recipes.
+"""Argument checks shared by every layer: the classes, the functions by name, `configure`, the recipes.
 
 Each check raises before anything reaches Redis, with a message that names
 the argument, and returns the value in the form the caller stores. Only
@@ -10,11 +10,16 @@ for a float is merely too large.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import redis.asyncio
 
+from ._options import Kind, Rate
+
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._connection import Client
 
 #: The longest duration accepted: Redis keeps millisecond TTLs in 64 bits,
@@ -116,6 +121,26 @@ def check_wait(value: Any, argument: str = "blocking_timeout") -> float | None:
     return seconds
 
 
+#: The default waiter timeout, unless the lease is shorter.
+WAITER_TIMEOUT: Final = 2.0
+
+
+def check_upkeep(waiter_timeout: Any, refresh_interval: Any, timeout: float) -> tuple[float, float]:
+    """A semaphore's waiter timeout and refresh interval, checked against its lease; ``None`` for the defaults."""
+    if waiter_timeout is None:
+        waiter_ttl = min(WAITER_TIMEOUT, timeout)
+    else:
+        waiter_ttl = check_timeout(waiter_timeout, "waiter_timeout")
+        if waiter_ttl > timeout:
+            raise ValueError(f"waiter_timeout must not exceed timeout ({timeout:g} s), got {waiter_timeout}")
+    if refresh_interval is None:
+        return waiter_ttl, timeout / 3
+    interval = check_timeout(refresh_interval, "refresh_interval")
+    if interval >= timeout:
+        raise ValueError(f"refresh_interval must be shorter than timeout ({timeout:g} s), got {refresh_interval}")
+    return waiter_ttl, interval
+
+
 def check_now(value: Any, argument: str = "now") -> float | None:
     """A caller-supplied clock reading in seconds, or ``None`` for the server's."""
     if value is None:
@@ -158,3 +183,62 @@ def check_replicas(value: object) -> int:
     if value < 0:
         raise ValueError(f"replicas must not be negative, got {_shown(value)}")
     return value
+
+
+def check_callable(value: Any, argument: str) -> Callable[..., Any] | None:
+    """A callback, or ``None`` for none."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{argument} must be callable or None, not {type(value).__name__}")
+    return value  # type: ignore[no-any-return]
+
+
+def check_kind(value: object) -> Kind:
+    if value == "fair":
+        return "fair"
+    if value == "locked":
+        return "locked"
+    raise ValueError(f"kind must be 'fair' or 'locked', got {value!r}")
+
+
+def check_limits(value: object) -> dict[str, int]:
+    """``{name: limit}``, each name and limit checked as the semaphores check them."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"limits must be a mapping of names to limits, not {type(value).__name__}")
+    checked = {}
+    for name, limit in value.items():
+        check_name(name, "a name in limits")
+        try:
+            checked[name] = check_limit(limit)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"limits[{name!r}]: {error}") from None
+    return checked
+
+
+def check_rate(rate: object, per: object = 1.0, burst: object = 1) -> Rate:
+    """A whole rate, each part checked as `AsyncRateLimiter` checks it."""
+    rate, per = check_positive(rate, "rate"), check_positive(per, "per")
+    check_interval(rate, per)
+    return Rate(rate, per, check_burst(burst))
+
+
+def check_rates(value: object) -> dict[str, Rate]:
+    """``{name: rate}`` (calls per second), ``{name: (rate, per)}`` or ``{name: (rate, per, burst)}``."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"rates must be a mapping of names to rates, not {type(value).__name__}")
+    checked = {}
+    for name, rate in value.items():
+        check_name(name, "a name in rates")
+        if isinstance(rate, tuple) and len(rate) in (2, 3):
+            parts = rate
+        elif isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            parts = (rate,)
+        else:
+            raise TypeError(
+                f"rates[{name!r}] must be a number of calls per second, or a (rate, per) or (rate, per, burst) "
+                f"tuple, not {type(rate).__name__}" + (f" of {len(rate)}" if isinstance(rate, tuple) else "")
+            )
+        try:
+            checked[name] = check_rate(*parts)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"rates[{name!r}]: {error}") from None
+    return checked

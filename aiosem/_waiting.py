@@ -29,6 +29,7 @@ from ._coordination import Submission, raise_if_cancel_swallowed, to_the_end
 from ._exceptions import SemaphoreError
 from ._observing import log_fields
 from ._protocol import QUEUED, Reply, Step
+from ._timing import Backoff
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,7 +41,7 @@ logger = logging.getLogger("aiosem")
 #: How long after a lease runs out its semaphore is re-checked: enough for
 #: the server's clock to have passed it too.
 RECHECK_DELAY: Final = 0.001
-#: Pauses of a failing pump grow by this much, up to a heartbeat.
+#: The first pause of a failing pump (it doubles, up to a heartbeat).
 _RETRY_PAUSE: Final = 0.05
 
 
@@ -61,6 +62,11 @@ class WaiterState(enum.Enum):
     RELAYED = "relayed"
     #: Gone from the queue: it holds its permit, gave up, or failed.
     DONE = "done"
+
+
+#: The states of a waiter whose caller may have returned while its permit is
+#: still on its way in Redis: its claim, or the pass that relayed it.
+_STILL_MOVING: Final = frozenset({WaiterState.HANDED, WaiterState.CLAIMING, WaiterState.RELAYED})
 
 
 class _TimeUp(Exception):
@@ -255,7 +261,7 @@ class WaitQueue:
         self._core.backend.forget(identifier)
         if waiter is not None:
             waiter.read_failure()  # failed by `close` for a caller gone meanwhile, it is not news
-            if waiter.state not in (WaiterState.HANDED, WaiterState.CLAIMING):
+            if waiter.state not in _STILL_MOVING:
                 waiter.state = WaiterState.DONE
         if not self._waiters:
             self._unlisten()
@@ -387,7 +393,7 @@ class WaitQueue:
         loop = asyncio.get_running_loop()
         heartbeat = self._core.semaphore.waiter_timeout / 3
         next_beat = loop.time() + heartbeat
-        failures = 0
+        backoff = Backoff(heartbeat, first=_RETRY_PAUSE)
         task = asyncio.current_task()
         try:
             while self._queued or self._to_claim():
@@ -404,18 +410,20 @@ class WaitQueue:
                 everyone = loop.time() >= due
                 if everyone:
                     self._recheck_at = None
-                if await self._pump_once(everyone):
-                    failures = 0
+                if await self._pump_once(everyone, log=not backoff.failures):
+                    backoff.reset()
                     if everyone:
                         next_beat = loop.time() + heartbeat
                     continue
-                failures += 1
-                await anyio.sleep(min(_RETRY_PAUSE * failures, heartbeat))
+                await backoff.pause()
         finally:
             self._pump = None
 
-    async def _pump_once(self, everyone: bool) -> bool:
-        """Send the claims due -- and, if ``everyone``, prove every queued waiter alive: ``False`` if it failed."""
+    async def _pump_once(self, everyone: bool, *, log: bool) -> bool:
+        """Send the claims due -- and, if ``everyone``, prove every queued waiter alive: ``False`` if it failed.
+
+        A failure is logged if ``log`` (the first of a series).
+        """
         claims = self._to_claim()
         for claim in claims:
             claim.state = WaiterState.CLAIMING
@@ -430,12 +438,13 @@ class WaitQueue:
             for claim in claims:
                 if claim.state is WaiterState.CLAIMING:
                     claim.state = WaiterState.HANDED
-            logger.warning(
-                "re-checking the waiters of %r failed; retrying",
-                self._core.semaphore,
-                exc_info=True,
-                extra=log_fields(self._core.semaphore.name),
-            )
+            if log:
+                logger.warning(
+                    "re-checking the waiters of %r failed; retrying",
+                    self._core.semaphore,
+                    exc_info=True,
+                    extra=log_fields(self._core.semaphore.name),
+                )
             return False
         return True
 

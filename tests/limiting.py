@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 import aiosem
-from aiosem import _config
+from aiosem import _config, _loop_cache
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,8 +90,8 @@ class Gate:
             self.inside -= 1
 
 
-def state() -> _config.LoopState:
+def state() -> _loop_cache.LoopState:
     """The aiosem state of the running event loop (it must exist)."""
-    found = _config._states.get(asyncio.get_running_loop())
+    found = _loop_cache._states.get(asyncio.get_running_loop())
     assert found is not None
     return found

@@ -18,7 +18,16 @@ import redis
 import redis.asyncio
 
 import aiosem
-from aiosem import AsyncFairSemaphore, PermitLost, _config, limit_concurrency, limiter
+from aiosem import (
+    AsyncFairSemaphore,
+    PermitLost,
+    _config,
+    _default_client,
+    _fork,
+    _loop_cache,
+    limit_concurrency,
+    limiter,
+)
 from tests.limiting import Gate, assert_no_task_left, close_and_settle, isolate, state, wait_until
 from tests.support import RedisServer
 
@@ -276,7 +285,7 @@ async def test_with_nothing_configured_one_of_several_workers_refuses(
     elif signal == "multiprocessing":
         monkeypatch.setattr(multiprocessing, "parent_process", object)
     else:
-        monkeypatch.setattr(_config, "_forked", True)
+        monkeypatch.setattr(_fork, "_forked", True)
     with pytest.raises(RuntimeError, match=rf"looks like one of several workers \({reason}.*AIOSEM_REDIS_URL"):
         async with limiter("api", 1):
             pass  # pragma: no cover -- never entered
@@ -309,10 +318,10 @@ def test_each_event_loop_gets_its_own_client_closed_with_the_loop(redis_server: 
             assert connections(redis_server) > before
 
     asyncio.run(use())
-    assert not _config._states
+    assert not _loop_cache._states
     assert connections(redis_server) == before
     asyncio.run(use())
-    assert not _config._states
+    assert not _loop_cache._states
     assert connections(redis_server) == before
     assert clients[0] is not clients[1]
 
@@ -417,15 +426,18 @@ async def test_after_a_fork_the_child_forgets_what_its_parent_created(monkeypatc
     aiosem.configure(url="memory://", limits={"api": 1})
     async with limiter("api"):
         pass
-    inherited, server = state(), _config._memory_server
-    monkeypatch.setattr(_config, "_left_by_parent", [])
+    inherited, server = state(), _default_client._memory_server
+    monkeypatch.setattr(_fork, "_left_by_parent", [])
     try:
-        _config._after_fork_in_child()
-        assert not _config._states
-        assert _config._memory_server is None
-        assert _config._forked
+        _fork._after_fork_in_child()
+        assert not _loop_cache._states
+        assert _default_client._memory_server is None
+        assert _fork.forked()
         # Kept, never closed nor collected: the sockets are the parent's.
-        assert _config._left_by_parent == [[(asyncio.get_running_loop(), inherited), server]]
+        (left,) = _fork._left_by_parent
+        assert isinstance(left, list)
+        assert [(asyncio.get_running_loop(), inherited)] in left
+        assert server in left
         # What was configured stays.
         assert _config.settings().limits == {"api": 1}
     finally:
@@ -434,7 +446,7 @@ async def test_after_a_fork_the_child_forgets_what_its_parent_created(monkeypatc
 
 def _use_in_forked_child(url: str, parent_client_id: int) -> None:
     """The child of a fork: nothing of the parent's is used, and the decorator works."""
-    assert not _config._states
+    assert not _loop_cache._states
 
     @limit_concurrency("forked", 1)
     async def work() -> int:

@@ -12,7 +12,15 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AcquireTimeout, AsyncFairSemaphore, AsyncLockedSemaphore, PermitLost, _config, limit_concurrency
+from aiosem import (
+    AcquireTimeout,
+    AsyncFairSemaphore,
+    AsyncLockedSemaphore,
+    PermitLost,
+    _config,
+    _loop_cache,
+    limit_concurrency,
+)
 from tests.limiting import Gate, close_and_settle, isolate, state, wait_until
 
 if TYPE_CHECKING:
@@ -503,7 +511,7 @@ async def test_a_name_function_must_return_a_name(key: object, error: type[Excep
 
 @pytest.mark.usefixtures("backend")
 async def test_the_cache_keeps_a_bounded_number_of_idle_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_config, "CACHE_SIZE", 2)
+    monkeypatch.setattr(_loop_cache, "CACHE_SIZE", 2)
 
     @limit_concurrency(lambda key: key, 1)
     async def touch(key: str) -> None: ...
@@ -516,7 +524,7 @@ async def test_the_cache_keeps_a_bounded_number_of_idle_objects(monkeypatch: pyt
 
 @pytest.mark.usefixtures("backend")
 async def test_the_cache_never_evicts_an_object_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_config, "CACHE_SIZE", 1)
+    monkeypatch.setattr(_loop_cache, "CACHE_SIZE", 1)
     gate = Gate()
 
     @limit_concurrency(lambda key: key, 1)

@@ -25,7 +25,7 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AcquireTimeout, AsyncRateLimiter, _config, limit_concurrency, limit_rate, rate_limiter
+from aiosem import AcquireTimeout, AsyncRateLimiter, _config, _options, limit_concurrency, limit_rate, rate_limiter
 from tests.limiting import close_and_settle, isolate, state, wait_until
 
 if TYPE_CHECKING:
@@ -417,7 +417,7 @@ def test_configure_names_the_rate_it_refuses(rates: object, error: type[Exceptio
     aiosem.configure(rates={"db": 2})
     with pytest.raises(error, match=match):
         aiosem.configure(prefix="after", rates=rates)  # type: ignore[arg-type]
-    assert _config.settings() == _config.Settings(rates={"db": _config.Rate(2.0)})
+    assert _config.settings() == _config.Settings(rates={"db": _options.Rate(2.0)})
 
 
 def test_configure_adds_rates_to_those_set_before() -> None:

@@ -21,16 +21,17 @@ from contextlib import asynccontextmanager
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Generic, TypeAlias, TypeVar
 
-from aiosem._config import semaphore_options
 from aiosem._decorators import _Limiter
 from aiosem._exceptions import AcquireTimeout, PermitLost
+from aiosem._specs import semaphore_spec
 from aiosem._validation import check_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
-    from aiosem._config import Kind
-    from aiosem._connection import Client
+    from typing_extensions import Unpack
+
+    from aiosem._options import RequestLimitOptions
     from aiosem._semaphore import Permit
 
 __all__ = ["DEFAULT_RETRY_AFTER", "RequestLimit", "Unavailable", "check_retry_after"]
@@ -61,45 +62,25 @@ class RequestLimit(Generic[RequestT]):
     """A limit on a framework's requests, checked when made.
 
     ``name`` is the semaphore's name, or a function of the request returning
-    it -- or ``None``, for a request not to limit. Every other argument is
-    `aiosem.limiter`'s, plus ``retry_after``, the seconds a 503 tells the
-    client to wait.
+    it -- or ``None``, for a request not to limit. The options
+    (`RequestLimitOptions`) are `aiosem.limiter`'s but ``on_lost``, plus
+    ``retry_after``, the seconds a 503 tells the client to wait.
     """
 
     __slots__ = ("_name", "_options", "headers")
 
     def __init__(
-        self,
-        name: str | Callable[[RequestT], str | None],
-        limit: int | None,
-        *,
-        timeout: float | None,
-        blocking_timeout: float | None,
-        retry_after: int,
-        client: Client | None,
-        prefix: str | None,
-        kind: Kind | None,
-        waiter_timeout: float | None,
-        refresh_interval: float | None,
+        self, name: str | Callable[[RequestT], str | None], limit: int | None, **options: Unpack[RequestLimitOptions]
     ) -> None:
         if isinstance(name, str):
             check_name(name)
         elif not callable(name):
             raise TypeError(f"name must be a str or a function of the request returning one, not {type(name).__name__}")
         self._name = name
-        self._options = semaphore_options(
-            limit=limit,
-            timeout=timeout,
-            blocking_timeout=blocking_timeout,
-            prefix=prefix,
-            kind=kind,
-            client=client,
-            waiter_timeout=waiter_timeout,
-            refresh_interval=refresh_interval,
-            # A request's work is cancelled when its permit is lost: running
-            # on, to answer 503 at its end, would waste the work and the wait.
-            on_lost=None,
-        )
+        retry_after = options.pop("retry_after", DEFAULT_RETRY_AFTER)
+        # No ``on_lost``: a request's work is cancelled when its permit is
+        # lost; running on, to answer 503 at its end, would waste the work and the wait.
+        self._options = semaphore_spec(limit, options)
         #: The headers of every 503 this limit answers.
         self.headers: Mapping[str, str] = MappingProxyType({"Retry-After": str(check_retry_after(retry_after))})
 

@@ -30,8 +30,9 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from aiosem._options import RequestLimitOptions, refuse_unknown
 from aiosem._semaphore import Permit
-from aiosem.contrib._http import DEFAULT_RETRY_AFTER, RequestLimit
+from aiosem.contrib._http import RequestLimit
 
 try:
     from aiohttp import web
@@ -44,9 +45,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Mapping
 
     from aiohttp.typedefs import Handler, Middleware
+    from typing_extensions import Unpack
 
-    from aiosem._config import Kind
-    from aiosem._connection import Client
 
 __all__ = ["PERMIT", "limit", "middleware"]
 
@@ -76,15 +76,7 @@ async def _limited(
 def limit(
     name: str | Callable[[web.Request], str | None],
     limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    retry_after: int = DEFAULT_RETRY_AFTER,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
+    **options: Unpack[RequestLimitOptions],
 ) -> Callable[[Callable[[web.Request], Awaitable[R]]], Callable[[web.Request], Coroutine[Any, Any, R]]]:
     """Limit an aiohttp handler: each request holds a permit of a semaphore while the handler runs.
 
@@ -117,18 +109,11 @@ def limit(
             it or ``None``.
         limit: How many requests may hold a permit at once; ``None``: the
             one ``aiosem.configure(limits=...)`` gives for the name.
-        timeout: The lease in seconds; default 10, or as configured.
-        blocking_timeout: How long a request waits for a permit before its
-            503, in seconds; ``math.inf`` waits for ever. Default: as
-            configured (for ever).
-        retry_after: The ``Retry-After`` of a 503, in whole seconds.
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of every key; default ``"aiosem"``.
-        kind: ``"fair"`` or ``"locked"``; default as configured (``"fair"``).
-        waiter_timeout: See `aiosem.AsyncFairSemaphore`.
-        refresh_interval: How often a held permit is refreshed; default a
-            third of ``timeout``.
+        **options: The limit's options (`RequestLimitOptions`):
+            ``timeout``, ``blocking_timeout`` (how long a request waits for
+            a permit before its 503), ``retry_after``, ``client``,
+            ``prefix``, ``kind``, ``waiter_timeout``, ``refresh_interval``;
+            each left out (or ``None``) is read from `aiosem.configure`.
 
     Returns:
         The decorator of an ``async def handler(request)``; class-based
@@ -145,18 +130,8 @@ def limit(
         cancelled while it holds gives its permit back, shielded and bounded
         to 5 s.
     """
-    guard: RequestLimit[web.Request] = RequestLimit(
-        name,
-        limit,
-        timeout=timeout,
-        blocking_timeout=blocking_timeout,
-        retry_after=retry_after,
-        client=client,
-        prefix=prefix,
-        kind=kind,
-        waiter_timeout=waiter_timeout,
-        refresh_interval=refresh_interval,
-    )
+    refuse_unknown(options, RequestLimitOptions, "limit")
+    guard: RequestLimit[web.Request] = RequestLimit(name, limit, **options)
 
     def decorate(handler: Callable[[web.Request], Awaitable[R]]) -> Callable[[web.Request], Coroutine[Any, Any, R]]:
         if not inspect.iscoroutinefunction(handler):
@@ -176,15 +151,7 @@ def limit(
 def middleware(
     name: str | Callable[[web.Request], str | None],
     limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    retry_after: int = DEFAULT_RETRY_AFTER,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
+    **options: Unpack[RequestLimitOptions],
 ) -> Middleware:
     """An aiohttp middleware: each request holds a permit of a semaphore while its handler runs.
 
@@ -206,18 +173,11 @@ def middleware(
             it or ``None``.
         limit: How many requests may hold a permit at once; ``None``: the
             one ``aiosem.configure(limits=...)`` gives for the name.
-        timeout: The lease in seconds; default 10, or as configured.
-        blocking_timeout: How long a request waits for a permit before its
-            503, in seconds; ``math.inf`` waits for ever. Default: as
-            configured (for ever).
-        retry_after: The ``Retry-After`` of a 503, in whole seconds.
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of every key; default ``"aiosem"``.
-        kind: ``"fair"`` or ``"locked"``; default as configured (``"fair"``).
-        waiter_timeout: See `aiosem.AsyncFairSemaphore`.
-        refresh_interval: How often a held permit is refreshed; default a
-            third of ``timeout``.
+        **options: The limit's options (`RequestLimitOptions`):
+            ``timeout``, ``blocking_timeout`` (how long a request waits for
+            a permit before its 503), ``retry_after``, ``client``,
+            ``prefix``, ``kind``, ``waiter_timeout``, ``refresh_interval``;
+            each left out (or ``None``) is read from `aiosem.configure`.
 
     Returns:
         The middleware.
@@ -229,18 +189,8 @@ def middleware(
     Cancellation:
         As `limit`.
     """
-    guard: RequestLimit[web.Request] = RequestLimit(
-        name,
-        limit,
-        timeout=timeout,
-        blocking_timeout=blocking_timeout,
-        retry_after=retry_after,
-        client=client,
-        prefix=prefix,
-        kind=kind,
-        waiter_timeout=waiter_timeout,
-        refresh_interval=refresh_interval,
-    )
+    refuse_unknown(options, RequestLimitOptions, "middleware")
+    guard: RequestLimit[web.Request] = RequestLimit(name, limit, **options)
 
     @web.middleware
     async def limit_requests(request: web.Request, handler: Handler) -> web.StreamResponse:

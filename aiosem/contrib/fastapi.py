@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, overload
 
-from aiosem.contrib._http import DEFAULT_RETRY_AFTER, RequestLimit
+from aiosem._options import RequestLimitOptions, refuse_unknown
+from aiosem.contrib._http import RequestLimit
 
 try:
     from fastapi import HTTPException, Request, status
@@ -43,8 +44,8 @@ except ModuleNotFoundError as error:
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping
 
-    from aiosem._config import Kind
-    from aiosem._connection import Client
+    from typing_extensions import Unpack
+
     from aiosem._semaphore import Permit
 
 __all__ = ["limit"]
@@ -58,42 +59,18 @@ def _unavailable(message: str, headers: Mapping[str, str]) -> HTTPException:
 def limit(
     name: str,
     limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    retry_after: int = DEFAULT_RETRY_AFTER,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
+    **options: Unpack[RequestLimitOptions],
 ) -> Callable[[Request], AsyncIterator[Permit]]: ...
 @overload
 def limit(
     name: Callable[[Request], str | None],
     limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    retry_after: int = DEFAULT_RETRY_AFTER,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
+    **options: Unpack[RequestLimitOptions],
 ) -> Callable[[Request], AsyncIterator[Permit | None]]: ...
 def limit(
     name: str | Callable[[Request], str | None],
     limit: int | None = None,
-    *,
-    timeout: float | None = None,
-    blocking_timeout: float | None = None,
-    retry_after: int = DEFAULT_RETRY_AFTER,
-    client: Client | None = None,
-    prefix: str | None = None,
-    kind: Kind | None = None,
-    waiter_timeout: float | None = None,
-    refresh_interval: float | None = None,
+    **options: Unpack[RequestLimitOptions],
 ) -> Callable[[Request], AsyncIterator[Permit | None]]:
     """A FastAPI dependency that holds a permit of a semaphore for each request.
 
@@ -136,18 +113,11 @@ def limit(
             it or ``None``.
         limit: How many requests may hold a permit at once; ``None``: the
             one ``aiosem.configure(limits=...)`` gives for the name.
-        timeout: The lease in seconds; default 10, or as configured.
-        blocking_timeout: How long a request waits for a permit before its
-            503, in seconds; ``math.inf`` waits for ever. Default: as
-            configured (for ever).
-        retry_after: The ``Retry-After`` of a 503, in whole seconds.
-        client: A ``redis.asyncio.Redis`` to use instead of the configured
-            one; aiosem never closes it.
-        prefix: The first part of every key; default ``"aiosem"``.
-        kind: ``"fair"`` or ``"locked"``; default as configured (``"fair"``).
-        waiter_timeout: See `aiosem.AsyncFairSemaphore`.
-        refresh_interval: How often a held permit is refreshed; default a
-            third of ``timeout``.
+        **options: The limit's options (`RequestLimitOptions`):
+            ``timeout``, ``blocking_timeout`` (how long a request waits for
+            a permit before its 503), ``retry_after``, ``client``,
+            ``prefix``, ``kind``, ``waiter_timeout``, ``refresh_interval``;
+            each left out (or ``None``) is read from `aiosem.configure`.
 
     Returns:
         The dependency: an async generator function of the request, giving
@@ -166,18 +136,8 @@ def limit(
         interrupt: after a loss its result is dropped for the 503, but it
         runs to its end.
     """
-    guard: RequestLimit[Request] = RequestLimit(
-        name,
-        limit,
-        timeout=timeout,
-        blocking_timeout=blocking_timeout,
-        retry_after=retry_after,
-        client=client,
-        prefix=prefix,
-        kind=kind,
-        waiter_timeout=waiter_timeout,
-        refresh_interval=refresh_interval,
-    )
+    refuse_unknown(options, RequestLimitOptions, "limit")
+    guard: RequestLimit[Request] = RequestLimit(name, limit, **options)
 
     # FastAPI reads this signature: a `Request` parameter is given the request.
     async def limited(request: Request) -> AsyncIterator[Permit | None]:
