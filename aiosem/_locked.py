@@ -19,6 +19,7 @@ from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._observing import log_fields
 from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._rules import COUNTER_TTL_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
 from ._semaphore import _Semaphore
 from ._timing import Bound
 from ._validation import check_timeout
@@ -164,7 +165,7 @@ class AsyncLockedSemaphore(_Semaphore):
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
         # Bounded around the whole submit in `_arrive`, waiting included.
-        waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
+        waiter_ms = queue_ttl_ms(self._waiter_ttl)
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.incrby(self._keys.tickets, len(identifiers))
             pipe.pexpire(self._keys.tickets, waiter_ms, nx=True)
@@ -315,7 +316,7 @@ class AsyncLockedSemaphore(_Semaphore):
         take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
         tickets: list[Command] = []
         if unticketed:
-            waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
+            waiter_ms = queue_ttl_ms(self._waiter_ttl)
             tickets += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
         waiting = lane in self._lock_seen_busy
         if waiting:
@@ -519,8 +520,8 @@ class _Plan:
             self._hand_off()
         if self.counter > self.initial_counter:
             # The counter is watched: nobody else wrote it since it was read.
-            self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", _COUNTER_TTL_MS))
-        waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
+            self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", COUNTER_TTL_MS))
+        waiter_ms = queue_ttl_ms(self.waiter_ttl)
         for key in (keys.queue, keys.waiters, keys.tickets):
             self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
         if not self.owners and self.queue_size == 0:
@@ -603,7 +604,7 @@ class _Plan:
             ("ZADD", keys.queue, self.tickets[member], member),
             ("ZADD", keys.waiters, alive_until, member),
         ]
-        return 0
+        return QUEUED
 
     def _release(self, member: bytes, step: Step) -> int:
         keys = self.keys
@@ -621,8 +622,8 @@ class _Plan:
                 # but a batch retried after a busy lock would try again.
                 self.cancelled.add(member)
                 self.writes += [
-                    ("ZADD", keys.cancelled, _seconds(self.now + _TOMBSTONE_SECONDS), member),
-                    ("PEXPIRE", keys.cancelled, (_TOMBSTONE_SECONDS + 1) * 1000),
+                    ("ZADD", keys.cancelled, _seconds(self.now + TOMBSTONE_SECONDS), member),
+                    ("PEXPIRE", keys.cancelled, TOMBSTONE_TTL_MS),
                 ]
         return 0
 
@@ -645,12 +646,6 @@ class _Plan:
         ):
             if members:
                 self.writes.append(("ZADD", key, "XX", *(item for member in members for item in (score, member))))
-
-
-#: As in the scripts: how long a cancelled identifier is refused.
-_TOMBSTONE_SECONDS: Final = 60
-#: As in the scripts: how long the fencing counter outlives the last grant.
-_COUNTER_TTL_MS: Final = 86_400_000
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
