@@ -164,13 +164,22 @@ class AsyncLockedSemaphore(_Semaphore):
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
         # Bounded around the whole submit in `_arrive`, waiting included.
-        waiter_ms = queue_ttl_ms(self._waiter_ttl)
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.incrby(self._keys.tickets, len(identifiers))
-            pipe.pexpire(self._keys.tickets, waiter_ms, nx=True)
-            pipe.pexpire(self._keys.tickets, waiter_ms, gt=True)
+            for command in self._ticket_draw(len(identifiers)):
+                pipe.execute_command(*command)
             last, _, _ = await pipe.execute()
         return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+
+    def _ticket_draw(self, count: int) -> list[Command]:
+        """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
+
+        Drawn outside the lock, so the TTL can only be made longer (``NX``,
+        then ``GT``), never shorter: a caller with a shorter waiter timeout
+        must not let the tickets expire under another's waiters, or the next
+        waiters would be queued ahead of them.
+        """
+        tickets, queue_ms = self._keys.tickets, queue_ttl_ms(self._waiter_ttl)
+        return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
 
     def _forget(self, identifier: str) -> None:
         self._tickets.pop(identifier.encode(), None)
@@ -226,7 +235,7 @@ class AsyncLockedSemaphore(_Semaphore):
                 if replies is None:
                     locked = False
                     return None
-                now = _parse_time(replies[16]) if now is None else now
+                now = _parse_time(replies[19]) if now is None else now
                 decision = plan_step(self._read_state(connection, replies, now, members, call), step, members)
                 committed, reply = await self._commit(connection, decision, step)
                 locked = committed is None
@@ -261,7 +270,9 @@ class AsyncLockedSemaphore(_Semaphore):
             ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
         )
         reads.append(("GET", keys.limit))
+        # The TTLs the steps keep: none on the permits' keys, the queue's a waiter timeout.
         reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
+        reads.extend(("PTTL", key) for key in (keys.queue, keys.waiters, keys.tickets))
         # What an earlier try of this call released, if its reply was lost:
         # only this call writes its receipt.
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
@@ -298,11 +309,12 @@ class AsyncLockedSemaphore(_Semaphore):
             cancelled=scores(replies[10]),
             stored_limit=None if replies[11] is None else int(replies[11]),
             permit_ttls=(int(replies[12]), int(replies[13]), int(replies[14])),
+            queue_ttls=(int(replies[15]), int(replies[16]), int(replies[17])),
             # A copy: the plan reads what the step's own waiters were given.
             tickets={member: self._tickets[member] for member in members if member in self._tickets},
             receipt=keys.receipt(call) if call else None,
             receipt_seconds=self._step_bound,
-            earlier_receipt=connection.encode(replies[15]) if call and replies[15] is not None else b"",
+            earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
         )
 
     async def _lock_and_read(
@@ -321,8 +333,7 @@ class AsyncLockedSemaphore(_Semaphore):
         take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
         tickets: list[Command] = []
         if unticketed:
-            waiter_ms = queue_ttl_ms(self._waiter_ttl)
-            tickets += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
+            tickets += self._ticket_draw(len(unticketed))
         waiting = lane in self._lock_seen_busy
         if waiting:
             # Waiting for a busy lock: each try of the step takes the lock and

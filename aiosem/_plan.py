@@ -5,8 +5,9 @@ changes in one ``MULTI``; between the two, `plan_step` decides those
 writes and the step's `Reply`. It follows the fair scripts in
 ``aiosem/lua`` decision for decision -- same reaping, hand-off, grants,
 queueing, tombstones, receipts and TTLs, with the constants of
-``_rules.py`` -- so both classes behave identically on the same data. It does no I/O and
-changes nothing it is given.
+``_rules.py`` -- so both classes behave identically on the same data;
+``tests/test_differential.py`` runs the two side by side to hold it to
+that. It does no I/O and changes nothing it is given.
 
 The relay is the one thing it leaves out: the locked class never relays a
 mutex, so it never sends `Step.PASS`.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
-from ._rules import COUNTER_TTL_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
+from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -60,6 +61,7 @@ class ReadState:
         cancelled: The step's identifiers' scores in ``:cancelled``.
         stored_limit: ``:limit``, if set.
         permit_ttls: The TTLs of the timeout set, the owner set and ``:limit``.
+        queue_ttls: The TTLs of ``:queue``, ``:waiters`` and ``:tickets``.
         tickets: The tickets drawn for the step's identifiers that may queue.
         receipt: A release call's receipt key (``None``: a call without an id).
         receipt_seconds: How long that receipt is kept.
@@ -84,6 +86,7 @@ class ReadState:
     cancelled: Mapping[bytes, float]
     stored_limit: int | None
     permit_ttls: tuple[int, int, int]
+    queue_ttls: tuple[int, int, int]
     tickets: Mapping[bytes, int] = field(default_factory=dict)
     receipt: str | None = None
     receipt_seconds: float = 0.0
@@ -119,14 +122,14 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
             and (draft.owners or draft.queue_size > 0)
         )
         values = [draft.acquire(member, step) for member in members]
+        if members and not draft.mismatch and state.stored_limit != state.limit:
+            draft.writes.append(("SET", state.keys.limit, state.limit))
     elif operation is Operation.RELEASE:
         values = [draft.release(member, step) for member in members]
+        if state.receipt is not None:
+            values = draft.with_receipt(state.receipt, values)
     else:
         values = [draft.refresh(member) for member in members]
-    if state.receipt is not None:
-        values = draft.with_receipt(state.receipt, values)
-    if operation is Operation.ACQUIRE and members and not draft.mismatch and state.stored_limit != state.limit:
-        draft.writes.append(("SET", state.keys.limit, state.limit))
     draft.write_refreshes()
     if operation is not Operation.ACQUIRE:
         # As fair_release and fair_refresh: what the step freed goes to the queue at once.
@@ -138,6 +141,7 @@ class _Draft:
     """The working copy that one `plan_step` call decides on, and the writes it collects."""
 
     __slots__ = (
+        "alive",
         "cancelled",
         "counter",
         "granted",
@@ -150,6 +154,7 @@ class _Draft:
         "refreshed_holders",
         "refreshed_waiters",
         "state",
+        "waiters_written",
         "writes",
     )
 
@@ -158,6 +163,7 @@ class _Draft:
         keys = state.keys
         self.counter = state.counter
         self.mismatch = False
+        self.waiters_written = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
         self.refreshed_holders: list[bytes] = []
@@ -179,26 +185,33 @@ class _Draft:
         if gone:
             self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
         self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(state.now)))
-        self.queue_size = state.queue_size - len(gone)
+        # A waiter presumed dead may have had no place in the queue (its
+        # :queue entry evicted, say): with the whole queue in view, only
+        # those that did leave it. Past the window, each is presumed queued.
+        whole = len(state.queue_head) >= state.queue_size
+        self.queue_size = state.queue_size - len(gone & state.queue_head.keys() if whole else gone)
         self.heads = [member for member, _ in sorted(state.queue_head.items(), key=_by_score) if member not in gone]
         self.queued = {member for member in state.queued if member not in gone}
-        self.cancelled = {member for member, until in state.cancelled.items() if until > state.now}
+        self.alive = {member for member, until in state.alive_until.items() if until > now}
+        self.cancelled = {member for member, until in state.cancelled.items() if until > now}
 
     def grant(self, member: bytes, stamp: float) -> int:
         state = self.state
         # As the scripts' aiosem_next_token: never below the clock in microseconds.
         self.counter = max(self.counter + 1, math.floor(state.now * 1_000_000))
         self.owners[member] = self.counter
-        self.leases[member] = stamp
+        score = _seconds(stamp)
+        self.leases[member] = float(score)
         self.writes += [
             ("ZADD", state.keys.owner_set, self.counter, member),
-            ("ZADD", state.keys.timeout_set, _seconds(stamp), member),
+            ("ZADD", state.keys.timeout_set, score, member),
         ]
         return self.counter
 
     def leave_queue(self, members: Sequence[bytes]) -> None:
         self.queue_size -= len(members)
         self.queued.difference_update(members)
+        self.alive.difference_update(members)
         self.writes += [("ZREM", self.state.keys.queue, *members), ("ZREM", self.state.keys.waiters, *members)]
 
     def hand_off(self) -> None:
@@ -230,12 +243,13 @@ class _Draft:
             return TOMBSTONED
         now = self.state.now
         if member in self.owners:
-            self.leases[member] = now
+            self.leases[member] = float(_seconds(now))
             self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(now), member))
             return self.owners[member]
         alive_until = _seconds(now + self.state.waiter_ttl)
         if member in self.queued:
             self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
+            self.waiters_written = True
             return QUEUED
         if self.mismatch:
             return LIMIT_MISMATCH
@@ -245,6 +259,8 @@ class _Draft:
             return REFUSED
         self.queue_size += 1
         self.queued.add(member)
+        self.alive.add(member)
+        self.waiters_written = True
         self.writes += [
             ("ZADD", keys.queue, self.state.tickets[member], member),
             ("ZADD", keys.waiters, alive_until, member),
@@ -273,7 +289,7 @@ class _Draft:
         return 0
 
     def with_receipt(self, receipt: str, values: list[int]) -> list[int]:
-        """What an earlier try of the call released counts as released, and is noted."""
+        """As the release script: what an earlier try of the call released counts as released, and is noted."""
         earlier = self.state.earlier_receipt
         values = [value or int(earlier[i : i + 1] == b"1") for i, value in enumerate(values)]
         if any(values):
@@ -283,11 +299,13 @@ class _Draft:
 
     def refresh(self, member: bytes) -> int:
         if member in self.owners:
-            self.leases[member] = self.state.now
+            self.leases[member] = float(_seconds(self.state.now))
             self.refreshed_holders.append(member)
             return self.owners[member]
-        if member in self.queued:
+        # As fair_refresh: a waiter is one with a deadline in :waiters.
+        if member in self.alive:
             self.refreshed_waiters.append(member)
+            self.waiters_written = True
             return QUEUED
         return REFUSED
 
@@ -307,9 +325,8 @@ class _Draft:
         if self.counter > state.counter:
             # The counter is watched: nobody else wrote it since it was read.
             self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", COUNTER_TTL_MS))
-        queue_ms = queue_ttl_ms(state.waiter_ttl)
-        for key in (keys.queue, keys.waiters, keys.tickets):
-            self.writes += [("PEXPIRE", key, queue_ms, "NX"), ("PEXPIRE", key, queue_ms, "GT")]
+        if self.waiters_written:
+            self.write_queue_ttls()
         if not self.owners and self.queue_size == 0:
             self.writes.append(("DEL", keys.limit))
         else:
@@ -325,11 +342,29 @@ class _Draft:
             reply=Reply(
                 holders=len(self.owners),
                 waiting=self.queue_size,
-                next_expiry=None if earliest is None else max(0.0, earliest + state.lease - state.now),
+                # In whole microseconds, as the scripts answer.
+                next_expiry=None
+                if earliest is None
+                else max(0, math.floor((earliest + state.lease - state.now) * 1_000_000)) / 1_000_000,
                 values=tuple(values),
                 granted=tuple(self.granted),
             ),
         )
+
+    def write_queue_ttls(self) -> None:
+        """As the scripts' aiosem_expire, on the TTLs the keys have once the step's writes are done.
+
+        ``NX`` gives one to a key without: one that had none, or that the
+        step emptied and filled again. ``GT`` pushes out one read with less
+        than the margin less the slack left, and, as in the scripts, never
+        shortens another caller's longer one.
+        """
+        state = self.state
+        queue_ms = queue_ttl_ms(state.waiter_ttl)
+        for key, ttl in zip((state.keys.queue, state.keys.waiters, state.keys.tickets), state.queue_ttls, strict=True):
+            self.writes.append(("PEXPIRE", key, queue_ms, "NX"))
+            if 0 <= ttl < queue_ms - EXPIRE_SLACK_MS:
+                self.writes.append(("PEXPIRE", key, queue_ms, "GT"))
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:

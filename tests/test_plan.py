@@ -37,6 +37,7 @@ def a_busy_state() -> ReadState:
         cancelled={b"ab12.gone": NOW + 30},
         stored_limit=1,
         permit_ttls=(86_400_000, -1, -1),
+        queue_ttls=(100, 100, -1),
         tickets={b"ab12.new": 3},
         receipt="aiosem:{plan}:receipt:c1",
         receipt_seconds=10.0,
