@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from tests.support import RedisServer
 
-DEFAULT_EXAMPLES: Final = 120
+DEFAULT_EXAMPLES: Final = 400
 EXAMPLES: Final = int(os.environ.get("AIOSEM_DIFFERENTIAL_EXAMPLES", DEFAULT_EXAMPLES))
 #: How far apart the two copies' TTLs may be, besides the real time the step and the reads took: they are
 #: written, and read, that far apart.
