@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import re
 import secrets
 from typing import TYPE_CHECKING, Any, Final
 
@@ -19,7 +18,9 @@ from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._observing import log_fields
 from ._options import DEFAULT_LOCK_TIMEOUT, LockedSemaphoreOptions, refuse_unknown
-from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._plan import Decision, ReadState, plan_step
+from ._protocol import Reply, Step
+from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
 from ._timing import Bound
 from ._validation import check_timeout
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
-    from ._keys import SemaphoreKeys
 
 __all__ = ["AsyncLockedSemaphore"]
 
@@ -122,13 +122,22 @@ class AsyncLockedSemaphore(_Semaphore):
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
         # Bounded around the whole submit in `_arrive`, waiting included.
-        waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.incrby(self._keys.tickets, len(identifiers))
-            pipe.pexpire(self._keys.tickets, waiter_ms, nx=True)
-            pipe.pexpire(self._keys.tickets, waiter_ms, gt=True)
+            for command in self._ticket_draw(len(identifiers)):
+                pipe.execute_command(*command)
             last, _, _ = await pipe.execute()
         return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+
+    def _ticket_draw(self, count: int) -> list[Command]:
+        """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
+
+        Drawn outside the lock, so the TTL can only be made longer (``NX``,
+        then ``GT``), never shorter: a caller with a shorter waiter timeout
+        must not let the tickets expire under another's waiters, or the next
+        waiters would be queued ahead of them.
+        """
+        tickets, queue_ms = self._keys.tickets, queue_ttl_ms(self._waiter_ttl)
+        return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
 
     def _forget(self, identifier: str) -> None:
         self._tickets.pop(identifier.encode(), None)
@@ -164,7 +173,6 @@ class AsyncLockedSemaphore(_Semaphore):
         # its first reply: let the cancellation land before anything is sent.
         while anyio.current_effective_deadline() <= anyio.current_time():
             await anyio.lowlevel.checkpoint()
-        keys = self._keys
         owner = secrets.token_hex(16)
         now = self._now()
         members = [identifier.encode() for identifier in identifiers]
@@ -185,38 +193,9 @@ class AsyncLockedSemaphore(_Semaphore):
                 if replies is None:
                     locked = False
                     return None
-                now = _parse_time(replies[16]) if now is None else now
-
-                def scores(reply: Any) -> dict[bytes, float]:
-                    pairs = zip(members, reply if members else (), strict=True)
-                    return {member: float(score) for member, score in pairs if score is not None}
-
-                plan = _Plan(
-                    keys,
-                    now=now,
-                    lease=self._timeout,
-                    limit=self._limit,
-                    waiter_ttl=self._waiter_ttl,
-                    caller=self._process,
-                    publish=publish_command(self._client),
-                    leases=_parse_zset(connection, replies[2]),
-                    owners=_parse_zset(connection, replies[3]),
-                    counter=int(replies[4] or 0),
-                    queue_head=_parse_zset(connection, replies[5]),
-                    queue_size=int(replies[6]),
-                    earliest_deaths=_parse_zset(connection, replies[7]),
-                    queued=scores(replies[8]),
-                    alive_until=scores(replies[9]),
-                    cancelled={member for member, until in scores(replies[10]).items() if until > now},
-                    stored_limit=None if replies[11] is None else int(replies[11]),
-                    permit_ttls=tuple(int(ttl) for ttl in replies[12:15]),
-                    tickets=self._tickets,
-                    receipt=keys.receipt(call) if call else None,
-                    receipt_seconds=self._step_bound,
-                    earlier_receipt=connection.encode(replies[15]) if call and replies[15] is not None else b"",
-                )
-                reply = plan.run(step, members)
-                committed, reply = await self._commit(connection, plan, reply, step)
+                now = _parse_time(replies[19]) if now is None else now
+                decision = plan_step(self._read_state(connection, replies, now, members, call), step, members)
+                committed, reply = await self._commit(connection, decision, step)
                 locked = committed is None
                 if not locked:
                     for member in members:
@@ -230,7 +209,7 @@ class AsyncLockedSemaphore(_Semaphore):
         return None if committed is None else reply
 
     def _reads(self, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
-        """What a step reads under WATCH, the WATCH first: ``_Plan`` is made of their replies."""
+        """What a step reads under WATCH, the WATCH first: `_read_state` makes a `ReadState` of their replies."""
         keys = self._keys
         # The queue is read only as far as a step can reach: its head, its
         # earliest presumed deaths, and the step's own identifiers.
@@ -249,13 +228,52 @@ class AsyncLockedSemaphore(_Semaphore):
             ("ZMSCORE", key, *members) if members else ("PING",) for key in (keys.queue, keys.waiters, keys.cancelled)
         )
         reads.append(("GET", keys.limit))
+        # The TTLs the steps keep: none on the permits' keys, the queue's a waiter timeout.
         reads.extend(("PTTL", key) for key in (keys.timeout_set, keys.owner_set, keys.limit))
+        reads.extend(("PTTL", key) for key in (keys.queue, keys.waiters, keys.tickets))
         # What an earlier try of this call released, if its reply was lost:
         # only this call writes its receipt.
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
         if server_time:
             reads.append(("TIME",))
         return reads
+
+    def _read_state(
+        self, connection: PinnedConnection, replies: list[Any], now: float, members: Sequence[bytes], call: str
+    ) -> ReadState:
+        """What `_reads` found, as `plan_step` takes it: ``replies`` are theirs, the lock's ``SET`` first."""
+
+        def scores(reply: Any) -> dict[bytes, float]:
+            pairs = zip(members, reply if members else (), strict=True)
+            return {member: float(score) for member, score in pairs if score is not None}
+
+        keys = self._keys
+        return ReadState(
+            keys,
+            now=now,
+            lease=self._timeout,
+            limit=self._limit,
+            waiter_ttl=self._waiter_ttl,
+            caller=self._process,
+            publish=publish_command(self._client),
+            leases=_parse_zset(connection, replies[2]),
+            owners=_parse_zset(connection, replies[3]),
+            counter=int(replies[4] or 0),
+            queue_head=_parse_zset(connection, replies[5]),
+            queue_size=int(replies[6]),
+            earliest_deaths=_parse_zset(connection, replies[7]),
+            queued=scores(replies[8]),
+            alive_until=scores(replies[9]),
+            cancelled=scores(replies[10]),
+            stored_limit=None if replies[11] is None else int(replies[11]),
+            permit_ttls=(int(replies[12]), int(replies[13]), int(replies[14])),
+            queue_ttls=(int(replies[15]), int(replies[16]), int(replies[17])),
+            # A copy: the plan reads what the step's own waiters were given.
+            tickets={member: self._tickets[member] for member in members if member in self._tickets},
+            receipt=keys.receipt(call) if call else None,
+            receipt_seconds=self._step_bound,
+            earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
+        )
 
     async def _lock_and_read(
         self,
@@ -273,8 +291,7 @@ class AsyncLockedSemaphore(_Semaphore):
         take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
         tickets: list[Command] = []
         if unticketed:
-            waiter_ms = math.ceil(self._waiter_ttl * 1000) + 1000
-            tickets += [("INCRBY", keys.tickets, len(unticketed)), ("PEXPIRE", keys.tickets, waiter_ms)]
+            tickets += self._ticket_draw(len(unticketed))
         waiting = lane in self._lock_seen_busy
         if waiting:
             # Waiting for a busy lock: each try of the step takes the lock and
@@ -301,9 +318,10 @@ class AsyncLockedSemaphore(_Semaphore):
         self._lock_seen_busy.discard(lane)
         return replies
 
-    async def _commit(self, connection: PinnedConnection, plan: _Plan, reply: Reply, step: Step) -> tuple[Any, Reply]:
-        """Write what ``plan`` decided and free the lock, in one transaction: EXEC's reply, and the step's."""
-        commit: list[Command] = [("MULTI",), *plan.writes, ("DEL", self._keys.lock), ("EXEC",)]
+    async def _commit(self, connection: PinnedConnection, decision: Decision, step: Step) -> tuple[Any, Reply]:
+        """Write what was decided and free the lock, in one transaction: EXEC's reply, and the step's."""
+        reply = decision.reply
+        commit: list[Command] = [("MULTI",), *decision.writes, ("DEL", self._keys.lock), ("EXEC",)]
         replicas = self._replicas_for(step)
         if replicas:
             # On the connection that wrote: WAIT counts its writes.
@@ -370,264 +388,9 @@ class _Tickets:
     values: tuple[int, ...]
 
 
-class _Plan:
-    """The writes of one step, decided from what was read under WATCH.
-
-    It follows the fair scripts in ``aiosem/lua`` decision for decision, so
-    both classes behave identically on the same data. Of the queue it knows
-    the head, its size, the earliest presumed deaths and the step's own
-    identifiers: all a step can act on.
-    """
-
-    def __init__(
-        self,
-        keys: SemaphoreKeys,
-        *,
-        now: float,
-        lease: float,
-        limit: int,
-        waiter_ttl: float,
-        caller: str,
-        publish: str,
-        leases: dict[bytes, float],
-        owners: dict[bytes, float],
-        counter: int,
-        queue_head: dict[bytes, float],
-        queue_size: int,
-        earliest_deaths: dict[bytes, float],
-        queued: dict[bytes, float],
-        alive_until: dict[bytes, float],
-        cancelled: set[bytes],
-        stored_limit: int | None,
-        permit_ttls: tuple[int, ...],
-        tickets: dict[bytes, int],
-        receipt: str | None = None,
-        receipt_seconds: float = 0.0,
-        earlier_receipt: bytes = b"",
-    ) -> None:
-        self.keys = keys
-        #: A release call's receipt key, how long it is kept, and what an earlier try left in it.
-        self.receipt = receipt
-        self.receipt_seconds = receipt_seconds
-        self.earlier_receipt = earlier_receipt
-        self.tickets = tickets
-        self.now = now
-        self.lease = lease
-        self.limit = limit
-        self.waiter_ttl = waiter_ttl
-        self.caller = caller.encode()
-        #: How a grant wakes another process: PUBLISH, or SPUBLISH on a cluster.
-        self.publish = publish
-        self.initial_counter = self.counter = counter
-        self.cancelled = cancelled
-        self.stored_limit = stored_limit
-        self.permit_ttls = permit_ttls
-        self.mismatch = False
-        self.writes: list[Command] = []
-        self.granted: list[tuple[str, int]] = []
-        self.refreshed_holders: list[bytes] = []
-        self.refreshed_waiters: list[bytes] = []
-        # Compared as the scripts compare: with the bound as sent to Redis,
-        # rounded to the microsecond.
-        cutoff = float(_seconds(now - lease))
-        dead = {member for member, score in leases.items() if score <= cutoff}
-        leases = {member: score for member, score in leases.items() if member not in dead}
-        owners = {member: score for member, score in owners.items() if member not in dead}
-        strays = leases.keys() ^ owners.keys()
-        dead |= strays
-        self.leases = {member: score for member, score in leases.items() if member not in strays}
-        self.owners = {member: int(score) for member, score in owners.items() if member not in strays}
-        if dead:
-            self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
-        presumed_dead = float(_seconds(now))
-        gone = {member for member, until in (*earliest_deaths.items(), *alive_until.items()) if until <= presumed_dead}
-        if gone:
-            self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
-        self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(now)))
-        self.queue_size = queue_size - len(gone)
-        self.heads = [member for member, _ in sorted(queue_head.items(), key=_by_score) if member not in gone]
-        self.queued = {member for member in queued if member not in gone}
-
-    def run(self, step: Step, members: Sequence[bytes]) -> Reply:
-        operation = step.operation
-        act = {Operation.ACQUIRE: self._acquire, Operation.RELEASE: self._release, Operation.REFRESH: self._refresh}[
-            operation
-        ]
-        keys = self.keys
-        if operation is Operation.ACQUIRE:
-            self._hand_off()
-            # Another limit counts only while somebody holds or waits under it.
-            self.mismatch = bool(
-                members
-                and self.stored_limit is not None
-                and self.stored_limit != self.limit
-                and (self.owners or self.queue_size > 0)
-            )
-        values = [act(member, step) for member in members]
-        if self.receipt is not None:
-            # As the release script: what an earlier try released counts as released.
-            values = [value or int(self.earlier_receipt[i : i + 1] == b"1") for i, value in enumerate(values)]
-            if any(values):
-                receipt = "".join(str(value) for value in values)
-                self.writes.append(("SET", self.receipt, receipt, "PX", math.ceil(self.receipt_seconds * 1000)))
-        if operation is Operation.ACQUIRE and members and not self.mismatch and self.stored_limit != self.limit:
-            self.writes.append(("SET", keys.limit, self.limit))
-        self._write_refreshes()
-        if operation is not Operation.ACQUIRE:
-            self._hand_off()
-        if self.counter > self.initial_counter:
-            # The counter is watched: nobody else wrote it since it was read.
-            self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", _COUNTER_TTL_MS))
-        waiter_ms = math.ceil(self.waiter_ttl * 1000) + 1000
-        for key in (keys.queue, keys.waiters, keys.tickets):
-            self.writes += [("PEXPIRE", key, waiter_ms, "NX"), ("PEXPIRE", key, waiter_ms, "GT")]
-        if not self.owners and self.queue_size == 0:
-            self.writes.append(("DEL", keys.limit))
-        else:
-            # As the scripts' aiosem_persist_permits: no TTL on a key that
-            # bears a live permit, lest volatile-* eviction take it. Only a
-            # TTL found is removed (-1: none, -2: no such key), so most steps
-            # write nothing here.
-            for key, ttl in zip((keys.timeout_set, keys.owner_set, keys.limit), self.permit_ttls, strict=True):
-                if ttl >= 0:
-                    self.writes.append(("PERSIST", key))
-        earliest = min(self.leases.values(), default=None)
-        return Reply(
-            holders=len(self.owners),
-            waiting=self.queue_size,
-            next_expiry=None if earliest is None else max(0.0, earliest + self.lease - self.now),
-            values=tuple(values),
-            granted=tuple(self.granted),
-        )
-
-    def _grant(self, member: bytes, stamp: float) -> int:
-        # As the scripts' aiosem_next_token: never below the clock in microseconds.
-        self.counter = max(self.counter + 1, math.floor(self.now * 1_000_000))
-        self.owners[member] = self.counter
-        self.leases[member] = stamp
-        self.writes += [
-            ("ZADD", self.keys.owner_set, self.counter, member),
-            ("ZADD", self.keys.timeout_set, _seconds(stamp), member),
-        ]
-        return self.counter
-
-    def _leave_queue(self, members: Sequence[bytes]) -> None:
-        self.queue_size -= len(members)
-        self.queued.difference_update(members)
-        self.writes += [("ZREM", self.keys.queue, *members), ("ZREM", self.keys.waiters, *members)]
-
-    def _hand_off(self) -> None:
-        free = self.limit - len(self.owners)
-        heads, self.heads = self.heads[: max(0, free)], self.heads[max(0, free) :]
-        messages: dict[bytes, list[str]] = {}
-        for member in heads:
-            owner = _owner(member)
-            stamp = self.now
-            if owner != self.caller:
-                stamp = self.now - self.lease + min(self.waiter_ttl, self.lease)
-            token = self._grant(member, stamp)
-            identifier = member.decode()
-            if owner is not None and owner != self.caller:
-                messages.setdefault(owner, []).append(f"{identifier}:{token} ")
-            self.granted.append((identifier, token))
-        if heads:
-            self._leave_queue(heads)
-        for owner, grants in messages.items():
-            self.writes.append((self.publish, self.keys.channels + owner.decode(), "".join(grants)))
-
-    def _acquire(self, member: bytes, step: Step) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
-        keys = self.keys
-        if member in self.cancelled:
-            self.cancelled.discard(member)
-            self.writes.append(("ZREM", keys.cancelled, member))
-            return TOMBSTONED
-        if member in self.owners:
-            self.leases[member] = self.now
-            self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(self.now), member))
-            return self.owners[member]
-        alive_until = _seconds(self.now + self.waiter_ttl)
-        if member in self.queued:
-            self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
-            return QUEUED
-        if self.mismatch:
-            return LIMIT_MISMATCH
-        if self.queue_size == 0 and len(self.owners) < self.limit:
-            return self._grant(member, self.now)
-        if step is not Step.WAIT:
-            return REFUSED
-        self.queue_size += 1
-        self.queued.add(member)
-        self.writes += [
-            ("ZADD", keys.queue, self.tickets[member], member),
-            ("ZADD", keys.waiters, alive_until, member),
-        ]
-        return 0
-
-    def _release(self, member: bytes, step: Step) -> int:
-        keys = self.keys
-        if member in self.owners:
-            del self.owners[member], self.leases[member]
-            self.writes += [("ZREM", keys.owner_set, member), ("ZREM", keys.timeout_set, member)]
-            return 1
-        if step is Step.CANCEL:
-            if member in self.queued:
-                self._leave_queue([member])
-                if member in self.heads:
-                    self.heads.remove(member)
-            else:
-                # A step of this class that has not committed can only abort,
-                # but a batch retried after a busy lock would try again.
-                self.cancelled.add(member)
-                self.writes += [
-                    ("ZADD", keys.cancelled, _seconds(self.now + _TOMBSTONE_SECONDS), member),
-                    ("PEXPIRE", keys.cancelled, (_TOMBSTONE_SECONDS + 1) * 1000),
-                ]
-        return 0
-
-    def _refresh(self, member: bytes, _step: Step) -> int:
-        if member in self.owners:
-            self.leases[member] = self.now
-            self.refreshed_holders.append(member)
-            return self.owners[member]
-        if member in self.queued:
-            self.refreshed_waiters.append(member)
-            return QUEUED
-        return REFUSED
-
-    def _write_refreshes(self) -> None:
-        # One command for all the holders, one for all the waiters: a batch
-        # of a thousand waiters proving they are alive is two writes.
-        for key, score, members in (
-            (self.keys.timeout_set, _seconds(self.now), self.refreshed_holders),
-            (self.keys.waiters, _seconds(self.now + self.waiter_ttl), self.refreshed_waiters),
-        ):
-            if members:
-                self.writes.append(("ZADD", key, "XX", *(item for member in members for item in (score, member))))
-
-
-#: As in the scripts: how long a cancelled identifier is refused.
-_TOMBSTONE_SECONDS: Final = 60
-#: As in the scripts: how long the fencing counter outlives the last grant.
-_COUNTER_TTL_MS: Final = 86_400_000
-
-
-def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
-    return item[1], item[0]
-
-
 #: How far past what it needs a Lua-free step reads the queue, to see past
 #: waiters presumed dead.
 _QUEUE_WINDOW: Final = 64
-_OWNER = re.compile(rb"^([0-9a-fA-F]+)\.")
-
-
-def _owner(member: bytes) -> bytes | None:
-    match = _OWNER.match(member)
-    return None if match is None else match[1]
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.6f}"
 
 
 def _parse_zset(connection: PinnedConnection, reply: list[Any]) -> dict[bytes, float]:

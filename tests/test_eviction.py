@@ -31,6 +31,7 @@ import redis.asyncio
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimitMismatch, OutOfMemory
 from aiosem._connection import check_eviction_policy
 from aiosem._protocol import Step
+from aiosem._rules import COUNTER_TTL_MS
 from tests.faults import (
     Load,
     evict_until_gone,
@@ -811,7 +812,7 @@ async def test_an_abandoned_semaphore_leaves_its_dead_permits_and_the_next_step_
     )
     assert set(left) == {base, f"{base}:owner", f"{base}:limit", f"{base}:counter"}
     assert [left[base], left[f"{base}:owner"], left[f"{base}:limit"]] == [-1, -1, -1]
-    assert 0 < left[f"{base}:counter"] <= 86_400_000
+    assert 0 < left[f"{base}:counter"] <= COUNTER_TTL_MS
     assert dead_permits == {"": LIMIT, ":owner": LIMIT}  # bounded by the limit
     assert {key: ttl for key, ttl in reaped.items() if ttl < 0} == {}
     assert {base, f"{base}:owner", f"{base}:limit"}.isdisjoint(reaped)

@@ -42,6 +42,7 @@ import pytest
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _config, recipes
+from aiosem._rules import TOMBSTONE_TTL_MS, queue_ttl_ms
 from aiosem._urls import close, connect
 from tests.limiting import assert_no_task_left, isolate
 from tests.support import FakeClock, two_processes, until_queued
@@ -67,9 +68,7 @@ WAIT: Final = 10.0
 #: with `PermitLost`), and the queue's keys still expire soon after the last waiter.
 WAITER_TIMEOUT: Final = 2.0
 #: How long the queue's keys outlive their last waiter at most: a waiter timeout and a second (see the scripts).
-QUEUE_TTL_MS: Final = round(WAITER_TIMEOUT * 1000) + 1000
-#: A tombstone refuses a cancelled identifier for a minute; its set lives a second more.
-TOMBSTONE_TTL_MS: Final = 61_000
+QUEUE_TTL_MS: Final = queue_ttl_ms(WAITER_TIMEOUT)
 #: A release call's receipt lasts a step bound: the default lease, 10 s.
 RECEIPT_TTL_MS: Final = 10_000
 #: The keys that outlive a load by a bounded time the tests need not wait for, with that bound in ms.
@@ -418,7 +417,7 @@ async def test_many_cycles_in_four_processes_leave_redis_as_it_was(
 
 #: Long enough that the queue's keys are still there to be looked at on a slow machine.
 IDLE_WAITER_TIMEOUT: Final = 5.0
-IDLE_QUEUE_TTL_MS: Final = round(IDLE_WAITER_TIMEOUT * 1000) + 1000
+IDLE_QUEUE_TTL_MS: Final = queue_ttl_ms(IDLE_WAITER_TIMEOUT)
 
 
 async def use_a_semaphore(server: RedisServer, kind: Kind) -> None:

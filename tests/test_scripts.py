@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
+from importlib.resources import files
 from typing import TYPE_CHECKING
 
 import pytest
@@ -13,11 +15,14 @@ import redis.asyncio
 from redis.exceptions import NoPermissionError
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, recipes
+from aiosem._fair import fair_step
 from aiosem._keys import SemaphoreKeys
-from aiosem._scripts import FAIR_ACQUIRE
+from aiosem._protocol import QUEUED, Step
+from aiosem._rules import COUNTER_TTL_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
+from aiosem._scripts import ALL_SCRIPTS, FAIR_ACQUIRE, LUA_CONSTANTS
 
 if TYPE_CHECKING:
-    from tests.support import RedisServer
+    from tests.support import FakeClock, RedisServer
 
 
 async def test_a_flushed_script_cache_is_reloaded(
@@ -112,3 +117,29 @@ async def test_a_script_wakes_processes_only_by_publish_or_spublish_and_refuses_
         await FAIR_ACQUIRE.run(real_client, keys.fair, args)
     assert await real_client.zrange(keys.timeout_set, 0, -1) == [b"expired"]
     await real_client.delete(*keys.fair)
+
+
+def test_every_script_is_given_the_rules_constants_and_no_lua_file_spells_one() -> None:
+    for script in ALL_SCRIPTS:
+        header = script.source.split("\n-- Shared by every aiosem script", 1)[0]
+        assert [line.split(" = ")[0] for line in header.splitlines()[1:] if line] == [
+            f"local {name}" for name in LUA_CONSTANTS
+        ]
+        assert script.sha == hashlib.sha1(script.source.encode()).hexdigest()  # noqa: S324 -- as Redis names it
+    for path in (files("aiosem") / "lua").iterdir():
+        text = path.read_text(encoding="utf-8")
+        assert not [name for name in LUA_CONSTANTS if f"local {name} =" in text], path.name
+
+
+async def test_the_scripts_follow_the_injected_rules(client: redis.asyncio.Redis, clock: FakeClock) -> None:
+    keys = SemaphoreKeys.for_name("aiosem", "rules")
+    options = {"now": clock.now, "lease": 10.0, "limit": 1, "waiter_ttl": 2.0, "caller": "ab12"}
+    await fair_step(client, Step.WAIT, keys, ["ab12.holder"], **options)
+    assert (await fair_step(client, Step.WAIT, keys, ["ab12.waiter"], **options)).values == (QUEUED,)
+    await fair_step(client, Step.CANCEL, keys, ["ab12.unseen"], **options)
+    assert await client.zscore(keys.cancelled, "ab12.unseen") == clock.now + TOMBSTONE_SECONDS
+    assert TOMBSTONE_TTL_MS - 1000 < await client.pttl(keys.cancelled) <= TOMBSTONE_TTL_MS
+    assert COUNTER_TTL_MS - 1000 < await client.pttl(keys.counter) <= COUNTER_TTL_MS
+    for key in (keys.queue, keys.waiters, keys.tickets):
+        assert queue_ttl_ms(2.0) - 1000 < await client.pttl(key) <= queue_ttl_ms(2.0)
+    await client.delete(*keys.fair)

@@ -1,6 +1,14 @@
 -- Shared by every aiosem script (prepended when the script is loaded): the
 -- keys, the clock, the score format, the reaper and the hand-off.
 --
+-- The constants named in capitals below and in the scripts -- the server's
+-- rules (TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, COUNTER_TTL_MS,
+-- EXPIRE_MARGIN_MS, EXPIRE_SLACK_MS, RUN_LENGTH), the result codes (QUEUED,
+-- REFUSED, TOMBSTONED, LIMIT_MISMATCH) and the modes (MODE_WAIT,
+-- MODE_CANCEL, MODE_PASS, ...) -- are not defined here: aiosem/_scripts.py
+-- writes them as locals above this prelude, from aiosem/_rules.py and
+-- aiosem/_protocol.py, where the Lua-free step reads them too.
+--
 -- Scores of the timeout set are float seconds -- the time of the grant or of
 -- the last refresh -- exactly as in Redis in Action, so book clients can
 -- share a semaphore with aiosem on one node. A permit granted at t with lease
@@ -45,10 +53,6 @@ local RECEIPT = KEYS[9]    -- what this call released, if it is a release with
 -- the run of the caller's waiters that permit is relayed to (see
 -- aiosem_relay_run).
 
--- How long a cancelled identifier is refused: far longer than a script can
--- spend in flight.
-local TOMBSTONE_SECONDS = 60
-
 local function aiosem_now(override)
   if override ~= '' then
     return tonumber(override)
@@ -62,11 +66,6 @@ end
 local function aiosem_seconds(x)
   return string.format('%.6f', x)
 end
-
--- How long the fencing counter outlives the last grant: a day, so that an
--- idle semaphore leaves nothing behind for ever, yet far longer than any
--- step of the server's clock back that the counter must cover.
-local COUNTER_TTL_MS = 86400000
 
 -- The next fencing token: one more than the last, and never less than the
 -- clock in microseconds. Tokens therefore keep increasing after the counter
@@ -168,9 +167,6 @@ local function aiosem_owner(identifier)
   return string.match(identifier, '^(%x+)%.')
 end
 
--- The most waiters one run relays a mutex to.
-local RUN_LENGTH = 64
-
 -- A mutex just handed to one of the caller's own waiters is relayed, too, to
 -- the caller's waiters queued right behind it: each gets its fencing token
 -- now, and the caller passes the permit from each to the next without
@@ -241,16 +237,11 @@ local function aiosem_hand_off(free, state, granted, relayed)
   aiosem_relay_run(heads[1], state, relayed)
 end
 
--- How much longer than a waiter TTL the queue's keys outlive the last
--- waiter written to them, and how much of that margin may run down before
--- their TTL is pushed out again (so that most calls only read it).
-local EXPIRE_MARGIN_MS = 1000
-local EXPIRE_SLACK_MS = 500
-
 -- The queue's keys expire once no waiter in them can still be alive; called
 -- by every step that queues a waiter or proves one alive. A TTL is only
 -- ever lengthened, so a caller with a shorter waiter timeout never cuts
--- another's waiters short.
+-- another's waiters short; and only once EXPIRE_SLACK_MS of its
+-- EXPIRE_MARGIN_MS has run down, so that most such steps only read it.
 local function aiosem_expire(waiter_ttl)
   local waiter_ms = math.ceil(waiter_ttl * 1000) + EXPIRE_MARGIN_MS
   for _, key in ipairs({QUEUE, WAITERS, TICKETS}) do

@@ -1,11 +1,16 @@
 -- Grant permits of a fair semaphore, or queue for them.
 --
--- Keys and arguments: see the prelude. ARGV[3] (the limit) is required.
--- Mode 'try': grant if a permit is free and nobody is queued, else refuse.
--- Mode 'wait': grant as 'try' does, else join the queue.
--- Results, per identifier: the fencing token if granted; 0 if queued; -1 if
--- refused; -2 if the identifier was cancelled before this call arrived (its
--- tombstone, having served, is removed); -3 if the semaphore is in use with
+-- KEYS: the nine of every fair script (see the prelude): TIMEOUTS, OWNERS,
+-- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, RECEIPT (unused here).
+-- ARGV: the prelude's; ARGV[3] (the limit) is required, ARGV[8] is the mode,
+-- ARGV[12..] the identifiers.
+-- MODE_TRY: grant if a permit is free and nobody is queued, else refuse.
+-- MODE_WAIT: grant as MODE_TRY does, else join the queue.
+-- MODE_COUNT (no identifiers): only reap and hand off, for the header.
+-- Returns the prelude's reply; the results, per identifier: the fencing
+-- token if granted; QUEUED if queued; REFUSED if refused; TOMBSTONED if the
+-- identifier was cancelled before this call arrived (its tombstone, having
+-- served, is removed); LIMIT_MISMATCH if the semaphore is in use with
 -- another limit (see LIMIT): nothing is granted or queued then.
 -- Queued waiters are served first, so a newcomer never jumps the queue. An
 -- identifier that already holds gets its token again and its lease
@@ -13,7 +18,7 @@
 -- takes a second permit or a second place.
 local function acquire(identifier, state, mismatch)
   if redis.call('ZREM', CANCELLED, identifier) == 1 then
-    return -2
+    return TOMBSTONED
   end
   local stamp = aiosem_seconds(state.now)
   local token = redis.call('ZSCORE', OWNERS, identifier)
@@ -24,10 +29,10 @@ local function acquire(identifier, state, mismatch)
   if redis.call('ZSCORE', QUEUE, identifier) then
     redis.call('ZADD', WAITERS, 'XX', aiosem_seconds(state.now + state.waiter_ttl), identifier)
     state.waiters_written = true
-    return 0
+    return QUEUED
   end
   if mismatch then
-    return -3
+    return LIMIT_MISMATCH
   end
   if state.queued == 0 and state.holders < state.limit then
     token = aiosem_next_token(state.now)
@@ -36,14 +41,14 @@ local function acquire(identifier, state, mismatch)
     state.holders = state.holders + 1
     return token
   end
-  if state.mode ~= 'wait' then
-    return -1
+  if state.mode ~= MODE_WAIT then
+    return REFUSED
   end
   redis.call('ZADD', QUEUE, redis.call('INCR', TICKETS), identifier)
   redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
   state.queued = state.queued + 1
   state.waiters_written = true
-  return 0
+  return QUEUED
 end
 
 return aiosem_run(function(identifiers, state)

@@ -1,13 +1,15 @@
 -- Refresh holders and waiters of a fair semaphore.
 --
--- Keys and arguments: see the prelude; the mode is ignored.
--- Results, per identifier: the fencing token if it holds a permit (its
--- lease restarts now; this is also how a process claims a permit handed to
--- one of its waiters); 0 if it is queued (it is presumed alive for another
--- waiter TTL); -1 if it is neither: a lost permit, or a waiter dropped from
--- the queue. Expired permits are reaped before anything else and leases are
--- only updated in place (ZADD XX), so a lost permit is never revived, not
--- even for the duration of this script.
+-- KEYS: the nine of every fair script (see the prelude); RECEIPT is unused.
+-- ARGV: the prelude's; the mode is ignored, ARGV[12..] are the identifiers.
+-- Returns the prelude's reply; the results, per identifier: the fencing
+-- token if it holds a permit (its lease restarts now; this is also how a
+-- process claims a permit handed to one of its waiters); QUEUED if it is
+-- queued (it is presumed alive for another waiter TTL); REFUSED if it is
+-- neither: a lost permit, or a waiter dropped from the queue. Expired
+-- permits are reaped before anything else and leases are only updated in
+-- place (ZADD XX), so a lost permit is never revived, not even for the
+-- duration of this script.
 --
 -- However many identifiers, this costs a handful of commands: one batch of
 -- waiters proving they are alive is one call, whatever its size.
@@ -21,9 +23,9 @@ return aiosem_run(function(identifiers, state)
       results[i] = tonumber(tokens[i])
     elseif queued[i] then
       waiters[#waiters + 1] = identifier
-      results[i] = 0
+      results[i] = QUEUED
     else
-      results[i] = -1
+      results[i] = REFUSED
     end
   end
   aiosem_touch_all(TIMEOUTS, aiosem_seconds(state.now), holders)

@@ -1,20 +1,24 @@
 -- Release permits of a fair semaphore, handing each freed permit to the
 -- longest-waiting waiter in the same step.
 --
--- Keys and arguments: see the prelude. Without a limit (ARGV[3] = ''), as
--- many permits are handed off as this call freed.
--- Mode 'release': results are 1 if the identifier held a live permit, else 0.
+-- KEYS: the nine of every fair script (see the prelude); RECEIPT is this
+-- call's receipt.
+-- ARGV: the prelude's; ARGV[8] is the mode, ARGV[9] the call's id, ARGV[10]
+-- how long its receipt is kept, ARGV[12..] the identifiers. Without a limit
+-- (ARGV[3] = ''), as many permits are handed off as this call freed.
+-- Returns the prelude's reply, with these results per identifier.
+-- MODE_RELEASE: results are 1 if the identifier held a live permit, else 0.
 -- A call with an id leaves a receipt of what it released, so that the same
 -- call tried again -- its first reply was lost with its connection -- answers
 -- 1 again for what the first try released, where a new call answers 0.
--- Mode 'cancel' (an acquire given up): as 'release', but a queued identifier
+-- MODE_CANCEL (an acquire given up): as MODE_RELEASE, but a queued identifier
 -- leaves the queue, and one the server has not seen yet is refused for a
 -- while, so that its acquire, should it arrive after this call, takes
 -- nothing.
--- Mode 'pass' (a mutex relayed through a run of the caller's waiters, see
+-- MODE_PASS (a mutex relayed through a run of the caller's waiters, see
 -- aiosem_relay_run): the identifiers come in threes, holder, successor
 -- ('' for none) and the successor's token, and each three has the results
--- {released, installed, 0}: released as in 'release', and installed the
+-- {released, installed, 0}: released as in MODE_RELEASE, and installed the
 -- token if the successor, the head of the queue, now holds the permit the
 -- holder released (or, the holder's permit gone, one that was free), taken
 -- out of the queue; the token it holds by if it held already; else 0 (a
@@ -28,7 +32,7 @@ local function release(identifier, state)
     state.holders = state.holders - 1
     return 1
   end
-  if state.mode == 'cancel' then
+  if state.mode == MODE_CANCEL then
     if redis.call('ZREM', QUEUE, identifier) == 1 then
       redis.call('ZREM', WAITERS, identifier)
       state.queued = state.queued - 1
@@ -36,7 +40,7 @@ local function release(identifier, state)
       -- Old tombstones go whenever a new one is written.
       redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
       redis.call('ZADD', CANCELLED, aiosem_seconds(state.now + TOMBSTONE_SECONDS), identifier)
-      redis.call('PEXPIRE', CANCELLED, (TOMBSTONE_SECONDS + 1) * 1000)
+      redis.call('PEXPIRE', CANCELLED, TOMBSTONE_TTL_MS)
     end
   end
   return 0
@@ -74,7 +78,7 @@ end
 return aiosem_run(function(identifiers, state)
   local earlier = state.call ~= '' and redis.call('GET', RECEIPT)
   local results, receipt = {}, {}
-  local step = state.mode == 'pass' and 3 or 1
+  local step = state.mode == MODE_PASS and 3 or 1
   for i = 1, #identifiers, step do
     results[i] = release(identifiers[i], state)
     if results[i] == 0 and earlier and string.sub(earlier, i, i) == '1' then

@@ -1,0 +1,385 @@
+"""The Lua-free step's decision, as a pure function of what it read.
+
+`AsyncLockedSemaphore` reads a semaphore under ``WATCH`` and writes its
+changes in one ``MULTI``; between the two, `plan_step` decides those
+writes and the step's `Reply`. It follows the fair scripts in
+``aiosem/lua`` decision for decision -- same reaping, hand-off, grants,
+queueing, tombstones, receipts and TTLs, with the constants of
+``_rules.py`` -- so both classes behave identically on the same data;
+``tests/test_differential.py`` runs the two side by side to hold it to
+that. It does no I/O and changes nothing it is given.
+
+The relay is the one thing it leaves out: the locked class never relays a
+mutex, so it never sends `Step.PASS`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from ._connection import Command
+    from ._keys import SemaphoreKeys
+
+__all__ = ["Decision", "ReadState", "plan_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadState:
+    """What one locked step read under ``WATCH``, and the step's own parameters.
+
+    Of the queue it knows the head, its size, the earliest presumed deaths
+    and the step's own identifiers: all a step can act on. Sorted sets are
+    mappings of member to score; TTLs are ``PTTL`` replies (-1: none, -2: no
+    such key).
+
+    Attributes:
+        keys: The semaphore's keys.
+        now: The time to decide at, in seconds.
+        lease: The lease, in seconds.
+        limit: The caller's limit.
+        waiter_ttl: The caller's waiter timeout, in seconds.
+        caller: The caller's process token: its waiters are granted a whole
+            lease and need no message.
+        publish: How a grant wakes another process: PUBLISH, or SPUBLISH on a cluster.
+        leases: The timeout set.
+        owners: The owner set.
+        counter: The fencing counter (0: none).
+        queue_head: The first entries of ``:queue``.
+        queue_size: How many entries ``:queue`` has.
+        earliest_deaths: The first entries of ``:waiters``.
+        queued: The step's identifiers' scores in ``:queue``.
+        alive_until: The step's identifiers' scores in ``:waiters``.
+        cancelled: The step's identifiers' scores in ``:cancelled``.
+        stored_limit: ``:limit``, if set.
+        permit_ttls: The TTLs of the timeout set, the owner set and ``:limit``.
+        queue_ttls: The TTLs of ``:queue``, ``:waiters`` and ``:tickets``.
+        tickets: The tickets drawn for the step's identifiers that may queue.
+        receipt: A release call's receipt key (``None``: a call without an id).
+        receipt_seconds: How long that receipt is kept.
+        earlier_receipt: What an earlier try of the same call left in it.
+    """
+
+    keys: SemaphoreKeys
+    now: float
+    lease: float
+    limit: int
+    waiter_ttl: float
+    caller: str
+    publish: str
+    leases: Mapping[bytes, float]
+    owners: Mapping[bytes, float]
+    counter: int
+    queue_head: Mapping[bytes, float]
+    queue_size: int
+    earliest_deaths: Mapping[bytes, float]
+    queued: Mapping[bytes, float]
+    alive_until: Mapping[bytes, float]
+    cancelled: Mapping[bytes, float]
+    stored_limit: int | None
+    permit_ttls: tuple[int, int, int]
+    queue_ttls: tuple[int, int, int]
+    tickets: Mapping[bytes, int] = field(default_factory=dict)
+    receipt: str | None = None
+    receipt_seconds: float = 0.0
+    earlier_receipt: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one locked step writes, in order, inside its ``MULTI``; and what it answers."""
+
+    writes: tuple[Command, ...]
+    reply: Reply
+
+
+def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decision:
+    """Decide a step on ``members`` from ``state``, as the fair script of ``step`` would.
+
+    Raises:
+        ValueError: ``step`` is `Step.PASS`: nothing relays through a locked step.
+    """
+    if step is Step.PASS:
+        raise ValueError("a locked step never relays, so it never passes a permit on")
+    draft = _Draft(state)
+    operation = step.operation
+    if operation is Operation.ACQUIRE:
+        # As fair_acquire: the queue is served before any newcomer.
+        draft.hand_off()
+        # Another limit counts only while somebody holds or waits under it.
+        draft.mismatch = bool(
+            members
+            and state.stored_limit is not None
+            and state.stored_limit != state.limit
+            and (draft.owners or draft.queue_size > 0)
+        )
+        values = [draft.acquire(member, step) for member in members]
+        if members and not draft.mismatch and state.stored_limit != state.limit:
+            draft.writes.append(("SET", state.keys.limit, state.limit))
+    elif operation is Operation.RELEASE:
+        values = [draft.release(member, step) for member in members]
+        if state.receipt is not None:
+            values = draft.with_receipt(state.receipt, values)
+    else:
+        values = [draft.refresh(member) for member in members]
+    draft.write_refreshes()
+    if operation is not Operation.ACQUIRE:
+        # As fair_release and fair_refresh: what the step freed goes to the queue at once.
+        draft.hand_off()
+    return draft.finish(values)
+
+
+class _Draft:
+    """The working copy that one `plan_step` call decides on, and the writes it collects."""
+
+    __slots__ = (
+        "alive",
+        "cancelled",
+        "counter",
+        "granted",
+        "heads",
+        "leases",
+        "mismatch",
+        "owners",
+        "queue_size",
+        "queued",
+        "refreshed_holders",
+        "refreshed_waiters",
+        "state",
+        "waiters_written",
+        "writes",
+    )
+
+    def __init__(self, state: ReadState) -> None:
+        self.state = state
+        keys = state.keys
+        self.counter = state.counter
+        self.mismatch = False
+        self.waiters_written = False
+        self.writes: list[Command] = []
+        self.granted: list[tuple[str, int]] = []
+        self.refreshed_holders: list[bytes] = []
+        self.refreshed_waiters: list[bytes] = []
+        # Compared as the scripts compare: with the bounds as sent to Redis,
+        # rounded to the microsecond.
+        cutoff = float(_seconds(state.now - state.lease))
+        now = float(_seconds(state.now))
+        dead = {member for member, score in state.leases.items() if score <= cutoff}
+        # As the scripts' reaper: a member of one permit set only counts for nothing.
+        strays = (state.leases.keys() - dead) ^ (state.owners.keys() - dead)
+        dead |= strays
+        self.leases = {member: score for member, score in state.leases.items() if member not in dead}
+        self.owners = {member: int(score) for member, score in state.owners.items() if member not in dead}
+        if dead:
+            self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
+        deaths = (*state.earliest_deaths.items(), *state.alive_until.items())
+        gone = {member for member, until in deaths if until <= now}
+        if gone:
+            self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
+        self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(state.now)))
+        # A waiter presumed dead may have had no place in the queue (its
+        # :queue entry evicted, say): with the whole queue in view, only
+        # those that did leave it. Past the window, each is presumed queued.
+        whole = len(state.queue_head) >= state.queue_size
+        self.queue_size = state.queue_size - len(gone & state.queue_head.keys() if whole else gone)
+        self.heads = [member for member, _ in sorted(state.queue_head.items(), key=_by_score) if member not in gone]
+        self.queued = {member for member in state.queued if member not in gone}
+        self.alive = {member for member, until in state.alive_until.items() if until > now}
+        self.cancelled = {member for member, until in state.cancelled.items() if until > now}
+
+    def grant(self, member: bytes, stamp: float) -> int:
+        state = self.state
+        # As the scripts' aiosem_next_token: never below the clock in microseconds.
+        self.counter = max(self.counter + 1, math.floor(state.now * 1_000_000))
+        self.owners[member] = self.counter
+        score = _seconds(stamp)
+        self.leases[member] = float(score)
+        self.writes += [
+            ("ZADD", state.keys.owner_set, self.counter, member),
+            ("ZADD", state.keys.timeout_set, score, member),
+        ]
+        return self.counter
+
+    def leave_queue(self, members: Sequence[bytes]) -> None:
+        self.queue_size -= len(members)
+        self.queued.difference_update(members)
+        self.alive.difference_update(members)
+        self.writes += [("ZREM", self.state.keys.queue, *members), ("ZREM", self.state.keys.waiters, *members)]
+
+    def hand_off(self) -> None:
+        """As the scripts' aiosem_hand_off: free permits to the queue's head, another process's for a waiter TTL."""
+        state = self.state
+        free = max(0, state.limit - len(self.owners))
+        heads, self.heads = self.heads[:free], self.heads[free:]
+        messages: dict[str, list[str]] = {}
+        for member in heads:
+            owner = _owner(member)
+            stamp = state.now
+            if owner != state.caller:
+                stamp = state.now - state.lease + min(state.waiter_ttl, state.lease)
+            token = self.grant(member, stamp)
+            identifier = member.decode()
+            if owner is not None and owner != state.caller:
+                messages.setdefault(owner, []).append(f"{identifier}:{token} ")
+            self.granted.append((identifier, token))
+        if heads:
+            self.leave_queue(heads)
+        for owner, grants in messages.items():
+            self.writes.append((state.publish, state.keys.channels + owner, "".join(grants)))
+
+    def acquire(self, member: bytes, step: Step) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
+        keys = self.state.keys
+        if member in self.cancelled:
+            self.cancelled.discard(member)
+            self.writes.append(("ZREM", keys.cancelled, member))
+            return TOMBSTONED
+        now = self.state.now
+        if member in self.owners:
+            self.leases[member] = float(_seconds(now))
+            self.writes.append(("ZADD", keys.timeout_set, "XX", _seconds(now), member))
+            return self.owners[member]
+        alive_until = _seconds(now + self.state.waiter_ttl)
+        if member in self.queued:
+            self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
+            self.waiters_written = True
+            return QUEUED
+        if self.mismatch:
+            return LIMIT_MISMATCH
+        if self.queue_size == 0 and len(self.owners) < self.state.limit:
+            return self.grant(member, now)
+        if step is not Step.WAIT:
+            return REFUSED
+        self.queue_size += 1
+        self.queued.add(member)
+        self.alive.add(member)
+        self.waiters_written = True
+        self.writes += [
+            ("ZADD", keys.queue, self.state.tickets[member], member),
+            ("ZADD", keys.waiters, alive_until, member),
+        ]
+        return QUEUED
+
+    def release(self, member: bytes, step: Step) -> int:
+        keys = self.state.keys
+        if member in self.owners:
+            del self.owners[member], self.leases[member]
+            self.writes += [("ZREM", keys.owner_set, member), ("ZREM", keys.timeout_set, member)]
+            return 1
+        if step is Step.CANCEL:
+            if member in self.queued:
+                self.leave_queue([member])
+                if member in self.heads:
+                    self.heads.remove(member)
+            else:
+                # A step of this class that has not committed can only abort,
+                # but a batch retried after a busy lock would try again.
+                self.cancelled.add(member)
+                self.writes += [
+                    ("ZADD", keys.cancelled, _seconds(self.state.now + TOMBSTONE_SECONDS), member),
+                    ("PEXPIRE", keys.cancelled, TOMBSTONE_TTL_MS),
+                ]
+        return 0
+
+    def with_receipt(self, receipt: str, values: list[int]) -> list[int]:
+        """As the release script: what an earlier try of the call released counts as released, and is noted."""
+        earlier = self.state.earlier_receipt
+        values = [value or int(earlier[i : i + 1] == b"1") for i, value in enumerate(values)]
+        if any(values):
+            noted = "".join(str(value) for value in values)
+            self.writes.append(("SET", receipt, noted, "PX", math.ceil(self.state.receipt_seconds * 1000)))
+        return values
+
+    def refresh(self, member: bytes) -> int:
+        if member in self.owners:
+            self.leases[member] = float(_seconds(self.state.now))
+            self.refreshed_holders.append(member)
+            return self.owners[member]
+        # As fair_refresh: a waiter is one with a deadline in :waiters.
+        if member in self.alive:
+            self.refreshed_waiters.append(member)
+            self.waiters_written = True
+            return QUEUED
+        return REFUSED
+
+    def write_refreshes(self) -> None:
+        # One command for all the holders, one for all the waiters: a batch
+        # of a thousand waiters proving they are alive is two writes.
+        state = self.state
+        for key, score, members in (
+            (state.keys.timeout_set, _seconds(state.now), self.refreshed_holders),
+            (state.keys.waiters, _seconds(state.now + state.waiter_ttl), self.refreshed_waiters),
+        ):
+            if members:
+                self.writes.append(("ZADD", key, "XX", *(item for member in members for item in (score, member))))
+
+    def finish(self, values: list[int]) -> Decision:
+        state, keys = self.state, self.state.keys
+        if self.counter > state.counter:
+            # The counter is watched: nobody else wrote it since it was read.
+            self.writes.insert(0, ("SET", keys.counter, self.counter, "PX", COUNTER_TTL_MS))
+        if self.waiters_written:
+            self.write_queue_ttls()
+        if not self.owners and self.queue_size == 0:
+            self.writes.append(("DEL", keys.limit))
+        else:
+            # As the scripts' aiosem_persist_permits: no TTL on a key that
+            # bears a live permit, lest volatile-* eviction take it. Only a
+            # TTL found is removed, so most steps write nothing here.
+            for key, ttl in zip((keys.timeout_set, keys.owner_set, keys.limit), state.permit_ttls, strict=True):
+                if ttl >= 0:
+                    self.writes.append(("PERSIST", key))
+        earliest = min(self.leases.values(), default=None)
+        return Decision(
+            writes=tuple(self.writes),
+            reply=Reply(
+                holders=len(self.owners),
+                waiting=self.queue_size,
+                # In whole microseconds, as the scripts answer.
+                next_expiry=None
+                if earliest is None
+                else max(0, math.floor((earliest + state.lease - state.now) * 1_000_000)) / 1_000_000,
+                values=tuple(values),
+                granted=tuple(self.granted),
+            ),
+        )
+
+    def write_queue_ttls(self) -> None:
+        """As the scripts' aiosem_expire, on the TTLs the keys have once the step's writes are done.
+
+        ``NX`` gives one to a key without: one that had none, or that the
+        step emptied and filled again. ``GT`` pushes out one read with less
+        than the margin less the slack left, and, as in the scripts, never
+        shortens another caller's longer one.
+        """
+        state = self.state
+        queue_ms = queue_ttl_ms(state.waiter_ttl)
+        for key, ttl in zip((state.keys.queue, state.keys.waiters, state.keys.tickets), state.queue_ttls, strict=True):
+            self.writes.append(("PEXPIRE", key, queue_ms, "NX"))
+            if 0 <= ttl < queue_ms - EXPIRE_SLACK_MS:
+                self.writes.append(("PEXPIRE", key, queue_ms, "GT"))
+
+
+def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
+    return item[1], item[0]
+
+
+_OWNER: Final = re.compile(rb"^([0-9a-fA-F]+)\.")
+
+
+def _owner(member: bytes) -> str | None:
+    """The process token a waiter's identifier starts with, as the scripts' aiosem_owner reads it."""
+    match = _OWNER.match(member)
+    return None if match is None else match[1].decode()
+
+
+def _seconds(value: float) -> str:
+    """A score as the scripts write it: in seconds, to the microsecond."""
+    return f"{value:.6f}"

@@ -1,0 +1,47 @@
+"""The server's rules: the constants both backends of a semaphore step follow.
+
+The fair scripts (``aiosem/lua``) and the Lua-free plan (``_plan.py``) carry
+out the same step; each constant here is written once, read by the plan as
+a Python name, and injected into every script as a ``local`` of the same
+name (see ``_scripts.py``), so the two can never disagree on a number.
+The step's result codes and modes live with the rest of the protocol, in
+``_protocol.py``, and are injected the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+__all__ = [
+    "COUNTER_TTL_MS",
+    "EXPIRE_MARGIN_MS",
+    "EXPIRE_SLACK_MS",
+    "RUN_LENGTH",
+    "TOMBSTONE_SECONDS",
+    "TOMBSTONE_TTL_MS",
+    "queue_ttl_ms",
+]
+
+#: How long a cancelled identifier is refused: far longer than a request
+#: can spend in flight.
+TOMBSTONE_SECONDS: Final = 60
+#: The TTL a tombstone sets on ``:cancelled``: a second past the tombstone.
+TOMBSTONE_TTL_MS: Final = (TOMBSTONE_SECONDS + 1) * 1000
+#: How long the fencing counter outlives the last grant: a day, so that an
+#: idle semaphore leaves nothing behind for ever, yet far longer than any
+#: step of the server's clock back that the counter must cover.
+COUNTER_TTL_MS: Final = 86_400_000
+#: How much longer than a waiter timeout the queue's keys outlive the last
+#: waiter written to them.
+EXPIRE_MARGIN_MS: Final = 1000
+#: How much of that margin may run down before a step that writes a waiter
+#: pushes the TTL out again: most such steps then only read it.
+EXPIRE_SLACK_MS: Final = 500
+#: The most waiters one run relays a mutex to.
+RUN_LENGTH: Final = 64
+
+
+def queue_ttl_ms(waiter_ttl: float) -> int:
+    """The TTL, in ms, that a step writing a waiter of ``waiter_ttl`` seconds gives the queue's keys."""
+    return math.ceil(waiter_ttl * 1000) + EXPIRE_MARGIN_MS

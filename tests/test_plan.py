@@ -1,0 +1,60 @@
+"""`plan_step`, the locked step's decision, is a pure function: it reads its state and changes none of it.
+
+What it decides is held to the fair scripts by ``tests/test_differential.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from aiosem._keys import SemaphoreKeys
+from aiosem._plan import ReadState, plan_step
+from aiosem._protocol import Step
+
+NOW = 1_700_000_000.0
+
+
+def a_busy_state() -> ReadState:
+    """One holder, one expired holder, two waiters (one presumed dead), a tombstone, and TTLs to fix."""
+    return ReadState(
+        SemaphoreKeys.for_name("aiosem", "plan"),
+        now=NOW,
+        lease=10.0,
+        limit=1,
+        waiter_ttl=2.0,
+        caller="ab12",
+        publish="PUBLISH",
+        leases={b"ab12.held": NOW - 1, b"cd34.expired": NOW - 20},
+        owners={b"ab12.held": 7.0, b"cd34.expired": 3.0},
+        counter=7,
+        queue_head={b"cd34.dead": 1.0, b"cd34.waiting": 2.0},
+        queue_size=2,
+        earliest_deaths={b"cd34.dead": NOW - 1, b"cd34.waiting": NOW + 1},
+        queued={b"cd34.waiting": 2.0},
+        alive_until={b"cd34.waiting": NOW + 1},
+        cancelled={b"ab12.gone": NOW + 30},
+        stored_limit=1,
+        permit_ttls=(86_400_000, -1, -1),
+        queue_ttls=(100, 100, -1),
+        tickets={b"ab12.new": 3},
+        receipt="aiosem:{plan}:receipt:c1",
+        receipt_seconds=10.0,
+        earlier_receipt=b"01",
+    )
+
+
+@pytest.mark.parametrize("step", [step for step in Step if step is not Step.PASS], ids=lambda step: step.name)
+def test_a_plan_changes_nothing_it_is_given(step: Step) -> None:
+    state = a_busy_state()
+    members = [b"ab12.held", b"cd34.waiting", b"ab12.gone", b"ab12.new"]
+    given = copy.deepcopy((state, members))
+    decision = plan_step(state, step, members)
+    assert (state, members) == given
+    assert plan_step(state, step, members) == decision  # and decides the same again
+
+
+def test_a_locked_step_never_passes_a_permit_on() -> None:
+    with pytest.raises(ValueError, match="never relays"):
+        plan_step(a_busy_state(), Step.PASS, [b"ab12.held", b"ab12.next", b"8"])
