@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
 
@@ -30,10 +29,11 @@ from ._observing import emit_permit
 from ._protocol import REFUSED, Reply, Step
 from ._relay import Relay
 from ._timing import Backoff, Bound, Deadline, step_bound
+from ._validation import check_now
 from ._waiting import WaitQueue
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Callable, Sequence
 
     from ._holding import Hold
     from ._keys import SemaphoreKeys
@@ -48,29 +48,39 @@ _RETRY_PAUSE: Final = 0.05
 _RELEASE_RETRIES: Final = 3
 
 
-@dataclass(frozen=True, slots=True)
-class Backend:
+class Backend(Protocol):
     """How one kind of semaphore carries out its steps in Redis: the only part that differs between kinds.
 
-    Attributes:
-        execute: Carry out one step atomically; ``None`` if it could not run
-            now (a busy lock) and should be tried again. A step that leaves
-            receipts (`Step.leaves_receipts`) does so under the given call
-            id, so that the same call tried again answers the same.
-        arrive: Note a blocking acquire's arrival, before its first step.
-        forget: Drop what the backend keeps about an identifier whose
-            acquire ended.
+    `AsyncFairSemaphore`'s is `ScriptedSteps` (one Lua script per step),
+    `AsyncLockedSemaphore`'s `WatchedSteps` (a lock, reads under ``WATCH``,
+    one ``MULTI``/``EXEC``).
     """
 
-    execute: Callable[[Step, Sequence[str], str], Awaitable[Reply | None]]
-    arrive: Callable[[str], Awaitable[None]]
-    forget: Callable[[str], None]
+    #: Whether its steps relay a mutex through runs of the caller's waiters (see `Relay`).
+    relays: bool
+
+    async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
+        """Carry out one step atomically; ``None`` if it could not run now (a busy lock) and should be tried again.
+
+        A step that leaves receipts (`Step.leaves_receipts`) does so under
+        the ``call`` id, so that the same call tried again answers the same.
+        """
+
+    async def arrive(self, identifier: str) -> None:
+        """Note a blocking acquire's arrival, before its first step."""
+
+    def forget(self, identifier: str) -> None:
+        """Drop what the backend keeps about an identifier whose acquire ended."""
+
+    async def close(self) -> None:
+        """Wait for what the backend still does in the background (the object is closing)."""
 
 
 class Core:
     """The identity, the steps and the parts of one semaphore object (see the module's docstring)."""
 
     __slots__ = (
+        "_clock",
         "_lanes",
         "backend",
         "client",
@@ -85,12 +95,17 @@ class Core:
     )
 
     def __init__(
-        self, semaphore: _Semaphore, backend: Backend, client: Client, keys: SemaphoreKeys, *, relays: bool
+        self,
+        semaphore: _Semaphore,
+        backend: Callable[[Core], Backend],
+        client: Client,
+        keys: SemaphoreKeys,
+        clock: Callable[[], float] | None,
     ) -> None:
         self.semaphore = semaphore
-        self.backend = backend
         self.client = client
         self.keys = keys
+        self._clock = clock
         #: This object's identity in Redis: its waiters' identifiers and its
         #: channel begin with it.
         self.process = secrets.token_hex(8)
@@ -98,9 +113,10 @@ class Core:
         self._lanes: dict[Step, Lane[Reply]] = {}
         #: What the last step answered: the counts `statistics` shows.
         self.last = Reply(0, 0, None, ())
+        self.backend = backend(self)
         self.queue = WaitQueue(self)
         self.holdings = Holdings(self)
-        self.relay = Relay(self) if relays else None
+        self.relay = Relay(self) if self.backend.relays else None
 
     def bind(self) -> None:
         """Tie the object to the running event loop; a new loop (the old one closed) starts it afresh.
@@ -121,6 +137,10 @@ class Core:
         self.holdings.reset()
         if self.relay is not None:
             self.relay.reset()
+
+    def now(self) -> float | None:
+        """The time steps are to use: the semaphore's clock's, or ``None`` for the server's."""
+        return None if self._clock is None else check_now(self._clock(), "clock()")
 
     def replicas_for(self, step: Step) -> int:
         """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
@@ -209,6 +229,12 @@ class Core:
 
     async def close(self) -> None:
         """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""
+        try:
+            await self._close_parts()
+        finally:
+            await self.backend.close()
+
+    async def _close_parts(self) -> None:
         holds = self.holdings.close()
         # Before the first await: the waiters failed here, ending, must find
         # the channel let go of already, and schedule nothing.

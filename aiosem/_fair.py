@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
+    from ._core import Core
     from ._keys import SemaphoreKeys
 
 __all__ = ["AsyncFairSemaphore", "fair_step"]
@@ -114,27 +115,48 @@ class AsyncFairSemaphore(_Semaphore):
 
     __slots__ = ()
 
-    _relays = True
-
     def __init__(self, client: Client, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> None:
         refuse_unknown(options, SemaphoreOptions, "AsyncFairSemaphore.__init__")
-        super().__init__(client, name, limit, options)
+        super().__init__(client, name, limit, options, ScriptedSteps)
 
-    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply:
+
+class ScriptedSteps:
+    """The steps of `AsyncFairSemaphore`: each one Lua script, one round trip (a `Backend`)."""
+
+    __slots__ = ("_core",)
+
+    #: The scripts relay a mutex granted to one of the caller's waiters through the run queued behind it.
+    relays = True
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+
+    async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply:
+        core = self._core
+        semaphore = core.semaphore
         return await fair_step(
-            self._client,
+            core.client,
             step,
-            self._keys,
+            core.keys,
             identifiers,
-            now=self._now(),
-            lease=self._timeout,
-            limit=self._limit,
-            waiter_ttl=self._waiter_ttl,
-            caller=self._process,
+            now=core.now(),
+            lease=semaphore.timeout,
+            limit=semaphore.limit,
+            waiter_ttl=semaphore.waiter_timeout,
+            caller=core.process,
             call=call,
             # A relayed permit's next holder is told before Redis is: with
             # replicas to wait for, every grant waits for them instead.
-            relays=not self._replicas,
-            replicas=self._replicas_for(step),
-            replication_timeout=self._waiter_ttl,
+            relays=not semaphore.replicas,
+            replicas=core.replicas_for(step),
+            replication_timeout=semaphore.waiter_timeout,
         )
+
+    async def arrive(self, identifier: str) -> None:
+        """Nothing to do: a script queues a waiter in the step that finds it must wait."""
+
+    def forget(self, identifier: str) -> None:
+        """Nothing to forget: nothing is kept about a waiter."""
+
+    async def close(self) -> None:
+        """Nothing to wait for: a script leaves nothing behind."""

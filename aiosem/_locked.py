@@ -13,6 +13,7 @@ import anyio
 import anyio.lowlevel
 import redis.exceptions
 
+from ._background import Background
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
 from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
@@ -22,13 +23,15 @@ from ._plan import Decision, ReadState, plan_step
 from ._protocol import Reply, Step
 from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
-from ._timing import Bound
+from ._timing import Bound, step_bound
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from typing_extensions import Unpack
+
+    from ._core import Core
 
 
 __all__ = ["AsyncLockedSemaphore"]
@@ -92,55 +95,12 @@ class AsyncLockedSemaphore(_Semaphore):
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
+    __slots__ = ()
 
     def __init__(self, client: Client, name: str, limit: int, **options: Unpack[LockedSemaphoreOptions]) -> None:
         refuse_unknown(options, LockedSemaphoreOptions, "AsyncLockedSemaphore.__init__")
         lock_timeout = options.pop("lock_timeout", DEFAULT_LOCK_TIMEOUT)
-        super().__init__(client, name, limit, options)
-        share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(self._timeout, self._waiter_ttl) * _LOCK_SHARE * 1000))
-        self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
-        #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
-        self._lock_seen_busy: set[Step] = set()
-        #: Unlocks under way after interrupted steps, for `aclose` to wait for.
-        self._unlocking: set[asyncio.Task[None]] = set()
-        #: The tickets of waiters not yet queued.
-        self._tickets: dict[bytes, int] = {}
-        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
-
-    async def _arrive(self, identifier: str) -> None:
-        # A waiter's place is taken when it arrives, before it meets the lock:
-        # however long the lock keeps it, nobody who came later gets ahead.
-        # The tickets of a process's concurrent arrivals are drawn together.
-        with Bound(self._step_bound, f"drawing a ticket of semaphore {self._name!r}"):
-            try:
-                (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
-            except redis.exceptions.OutOfMemoryError as error:
-                # As a step's refusal: redis-py's names the pipeline's command and key.
-                raise out_of_memory(error, self._name) from None
-        self._tickets[identifier.encode()] = ticket
-
-    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
-        # Bounded around the whole submit in `_arrive`, waiting included.
-        async with self._client.pipeline(transaction=False) as pipe:
-            for command in self._ticket_draw(len(identifiers)):
-                pipe.execute_command(*command)
-            last, _, _ = await pipe.execute()
-        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
-
-    def _ticket_draw(self, count: int) -> list[Command]:
-        """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
-
-        Drawn outside the lock, so the TTL can only be made longer (``NX``,
-        then ``GT``), never shorter: a caller with a shorter waiter timeout
-        must not let the tickets expire under another's waiters, or the next
-        waiters would be queued ahead of them.
-        """
-        tickets, queue_ms = self._keys.tickets, queue_ttl_ms(self._waiter_ttl)
-        return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
-
-    def _forget(self, identifier: str) -> None:
-        self._tickets.pop(identifier.encode(), None)
+        super().__init__(client, name, limit, options, lambda core: WatchedSteps(core, lock_timeout))
 
     async def aclose(self) -> None:
         """Give back every permit kept alive through this object, stop its background work, and free its lock.
@@ -158,23 +118,87 @@ class AsyncLockedSemaphore(_Semaphore):
             Shielded, and bounded to 5 s and then to the lock's lifetime
             (at most 2 s).
         """
-        try:
-            await super().aclose()
-        finally:
-            loop = asyncio.get_running_loop()
-            unlocking = [task for task in self._unlocking if task.get_loop() is loop]
-            if unlocking:
-                with anyio.CancelScope(shield=True):
-                    await asyncio.wait(unlocking)
+        await super().aclose()
 
-    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
+
+class WatchedSteps:
+    """The steps of `AsyncLockedSemaphore`: a short lock, reads under ``WATCH``, one ``MULTI``/``EXEC`` (a `Backend`).
+
+    What to write is decided by `plan_step` from what was read; this class
+    takes and frees the lock, draws the waiters' tickets, reads, and commits.
+    """
+
+    __slots__ = ("_core", "_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
+
+    #: A step of this class never relays a mutex through a run: its plan has no runs.
+    relays = False
+
+    def __init__(self, core: Core, lock_timeout: float) -> None:
+        self._core = core
+        semaphore = core.semaphore
+        share_ms = max(
+            _SHORTEST_LOCK_MS, math.floor(min(semaphore.timeout, semaphore.waiter_timeout) * _LOCK_SHARE * 1000)
+        )
+        self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
+        #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
+        self._lock_seen_busy: set[Step] = set()
+        #: Unlocks under way after interrupted steps, for `close` to wait for.
+        self._unlocking = Background()
+        #: The tickets of waiters not yet queued.
+        self._tickets: dict[bytes, int] = {}
+        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
+
+    async def close(self) -> None:
+        """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""
+        loop = asyncio.get_running_loop()
+        unlocking = [task for task in self._unlocking if task.get_loop() is loop]
+        if unlocking:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(unlocking)
+
+    async def arrive(self, identifier: str) -> None:
+        # A waiter's place is taken when it arrives, before it meets the lock:
+        # however long the lock keeps it, nobody who came later gets ahead.
+        # The tickets of a process's concurrent arrivals are drawn together.
+        semaphore = self._core.semaphore
+        with Bound(step_bound(semaphore.timeout), f"drawing a ticket of semaphore {semaphore.name!r}"):
+            try:
+                (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
+            except redis.exceptions.OutOfMemoryError as error:
+                # As a step's refusal: redis-py's names the pipeline's command and key.
+                raise out_of_memory(error, semaphore.name) from None
+        self._tickets[identifier.encode()] = ticket
+
+    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
+        # Bounded around the whole submit in `_arrive`, waiting included.
+        async with self._core.client.pipeline(transaction=False) as pipe:
+            for command in self._ticket_draw(len(identifiers)):
+                pipe.execute_command(*command)
+            last, _, _ = await pipe.execute()
+        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+
+    def _ticket_draw(self, count: int) -> list[Command]:
+        """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
+
+        Drawn outside the lock, so the TTL can only be made longer (``NX``,
+        then ``GT``), never shorter: a caller with a shorter waiter timeout
+        must not let the tickets expire under another's waiters, or the next
+        waiters would be queued ahead of them.
+        """
+        tickets, queue_ms = self._core.keys.tickets, queue_ttl_ms(self._core.semaphore.waiter_timeout)
+        return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
+
+    def forget(self, identifier: str) -> None:
+        self._tickets.pop(identifier.encode(), None)
+
+    async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
         # say -- would take the lock and be cancelled holding it, before
         # its first reply: let the cancellation land before anything is sent.
         while anyio.current_effective_deadline() <= anyio.current_time():
             await anyio.lowlevel.checkpoint()
         owner = secrets.token_hex(16)
-        now = self._now()
+        now = self._core.now()
         members = [identifier.encode() for identifier in identifiers]
         # A waiter's place in the queue is its ticket, drawn outside the lock
         # when it arrived (or here, for one queued again) and kept through
@@ -187,7 +211,7 @@ class AsyncLockedSemaphore(_Semaphore):
         locked = False
         committed: Any = None
         try:
-            async with pinned_connection(self._client, self._keys.lock) as connection:
+            async with pinned_connection(self._core.client, self._core.keys.lock) as connection:
                 locked = True
                 replies = await self._lock_and_read(connection, owner, step, unticketed, reads)
                 if replies is None:
@@ -210,10 +234,10 @@ class AsyncLockedSemaphore(_Semaphore):
 
     def _reads(self, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
         """What a step reads under WATCH, the WATCH first: `_read_state` makes a `ReadState` of their replies."""
-        keys = self._keys
+        keys = self._core.keys
         # The queue is read only as far as a step can reach: its head, its
         # earliest presumed deaths, and the step's own identifiers.
-        window = self._limit + len(members) + _QUEUE_WINDOW
+        window = self._core.semaphore.limit + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
             ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
@@ -247,15 +271,15 @@ class AsyncLockedSemaphore(_Semaphore):
             pairs = zip(members, reply if members else (), strict=True)
             return {member: float(score) for member, score in pairs if score is not None}
 
-        keys = self._keys
+        keys = self._core.keys
         return ReadState(
             keys,
             now=now,
-            lease=self._timeout,
-            limit=self._limit,
-            waiter_ttl=self._waiter_ttl,
-            caller=self._process,
-            publish=publish_command(self._client),
+            lease=self._core.semaphore.timeout,
+            limit=self._core.semaphore.limit,
+            waiter_ttl=self._core.semaphore.waiter_timeout,
+            caller=self._core.process,
+            publish=publish_command(self._core.client),
             leases=_parse_zset(connection, replies[2]),
             owners=_parse_zset(connection, replies[3]),
             counter=int(replies[4] or 0),
@@ -271,7 +295,7 @@ class AsyncLockedSemaphore(_Semaphore):
             # A copy: the plan reads what the step's own waiters were given.
             tickets={member: self._tickets[member] for member in members if member in self._tickets},
             receipt=keys.receipt(call) if call else None,
-            receipt_seconds=self._step_bound,
+            receipt_seconds=step_bound(self._core.semaphore.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
         )
 
@@ -287,7 +311,7 @@ class AsyncLockedSemaphore(_Semaphore):
 
         Tickets are drawn for the ``unticketed`` waiters first, lock or no lock.
         """
-        keys = self._keys
+        keys = self._core.keys
         take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
         tickets: list[Command] = []
         if unticketed:
@@ -321,11 +345,11 @@ class AsyncLockedSemaphore(_Semaphore):
     async def _commit(self, connection: PinnedConnection, decision: Decision, step: Step) -> tuple[Any, Reply]:
         """Write what was decided and free the lock, in one transaction: EXEC's reply, and the step's."""
         reply = decision.reply
-        commit: list[Command] = [("MULTI",), *decision.writes, ("DEL", self._keys.lock), ("EXEC",)]
-        replicas = self._replicas_for(step)
+        commit: list[Command] = [("MULTI",), *decision.writes, ("DEL", self._core.keys.lock), ("EXEC",)]
+        replicas = self._core.replicas_for(step)
         if replicas:
             # On the connection that wrote: WAIT counts its writes.
-            commit.append(("WAIT", replicas, max(1, math.ceil(self._waiter_ttl * 1000))))
+            commit.append(("WAIT", replicas, max(1, math.ceil(self._core.semaphore.waiter_timeout * 1000))))
         replies = await connection.batch(*commit)
         if not replicas:
             return replies[-1], reply
@@ -337,9 +361,7 @@ class AsyncLockedSemaphore(_Semaphore):
 
         The unlock is a task of its own, which `aclose` waits for.
         """
-        unlocking = asyncio.get_running_loop().create_task(self._unlock(owner), name="aiosem unlock")
-        self._unlocking.add(unlocking)
-        unlocking.add_done_callback(self._unlocking.discard)
+        unlocking = self._unlocking.start(self._unlock(owner), name="aiosem unlock")
         if error is not None and (
             isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time()
         ):
@@ -360,26 +382,26 @@ class AsyncLockedSemaphore(_Semaphore):
         bound = min(_UNLOCK_TIMEOUT, self._lock_ms / 1000)
         with anyio.move_on_after(bound) as scope:
             try:
-                async with pinned_connection(self._client, self._keys.lock) as connection:
-                    value = (await connection.batch(("WATCH", self._keys.lock), ("GET", self._keys.lock)))[1]
+                async with pinned_connection(self._core.client, self._core.keys.lock) as connection:
+                    value = (await connection.batch(("WATCH", self._core.keys.lock), ("GET", self._core.keys.lock)))[1]
                     if value is not None and connection.encode(value) == owner.encode():
-                        await connection.batch(("MULTI",), ("DEL", self._keys.lock), ("EXEC",))
+                        await connection.batch(("MULTI",), ("DEL", self._core.keys.lock), ("EXEC",))
                     else:
                         await connection.batch(("UNWATCH",))
             except Exception:
                 logger.warning(
                     "could not free the step lock of %r; it expires by itself within %g s",
-                    self,
+                    self._core.semaphore,
                     self._lock_ms / 1000,
                     exc_info=True,
-                    extra=log_fields(self._name),
+                    extra=log_fields(self._core.semaphore.name),
                 )
         if scope.cancelled_caught:
             logger.warning(
                 "could not free the step lock of %r within %g s; it expires by itself",
-                self,
+                self._core.semaphore,
                 bound,
-                extra=log_fields(self._name),
+                extra=log_fields(self._core.semaphore.name),
             )
 
 

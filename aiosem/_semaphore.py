@@ -21,9 +21,8 @@ import enum
 import logging
 import math
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Final
+from typing import TYPE_CHECKING, Final
 
 import redis
 
@@ -36,19 +35,17 @@ from ._connection import (
     watch_eviction_policy,
 )
 from ._coordination import detached
-from ._core import Backend, Core
+from ._core import Core
 from ._exceptions import AcquireTimeout, LimitMismatch, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit
 from ._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
 from ._protocol import LIMIT_MISMATCH, Reply, Step
-from ._timing import step_bound
 from ._validation import (
     check_callable,
     check_client,
     check_limit,
     check_name,
-    check_now,
     check_replicas,
     check_timeout,
     check_upkeep,
@@ -56,9 +53,10 @@ from ._validation import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable
     from types import TracebackType
 
+    from ._core import Backend
     from ._options import LostCallback, SemaphoreOptions
 
 logger = logging.getLogger("aiosem")
@@ -131,12 +129,11 @@ class SemaphoreStatistics:
 #: object never see each other's permits.
 
 
-class _Semaphore(ABC):
+class _Semaphore:
     __slots__ = (
         "__weakref__",
         "_blocking_timeout",
         "_client",
-        "_clock",
         "_core",
         "_keys",
         "_limit",
@@ -149,10 +146,9 @@ class _Semaphore(ABC):
         "_waiter_ttl",
     )
 
-    #: Whether the backend's steps relay a mutex through runs of one object's waiters (see `Relay`).
-    _relays: ClassVar[bool] = False
-
-    def __init__(self, client: Client, name: str, limit: int, options: SemaphoreOptions) -> None:
+    def __init__(
+        self, client: Client, name: str, limit: int, options: SemaphoreOptions, backend: Callable[[Core], Backend]
+    ) -> None:
         # Each public class takes ``**options`` and refuses unknown ones in its own name.
         check_cluster_support(check_client(client))
         self._name = check_name(name)
@@ -167,14 +163,7 @@ class _Semaphore(ABC):
         self._on_lost: LostCallback | None = check_callable(options.get("on_lost"), "on_lost")
         self._replicas = check_replicas(options.get("replicas", 0))
         self._client = client
-        self._clock = clock
-        self._core = Core(
-            self,
-            Backend(self._execute, self._arrive, self._forget),
-            client,
-            self._keys,
-            relays=self._relays,
-        )
+        self._core = Core(self, backend, client, self._keys, clock)
         #: This object's identity in Redis: its waiters' identifiers and its
         #: channel begin with it.
         self._process = self._core.process
@@ -226,32 +215,6 @@ class _Semaphore(ABC):
             f"waiter_timeout={self._waiter_ttl:g}, refresh_interval={self._refresh_interval:g}, "
             f"held={len(self._core.holdings)}, waiting={len(self._core.queue)}, key={self.key!r})"
         )
-
-    @abstractmethod
-    async def _execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
-        """Carry out one step atomically; ``None`` if it could not run now and should be retried.
-
-        A release with a ``call`` id leaves receipts of what it released, so
-        that the same call tried again answers the same (see `_step`).
-        """
-
-    def _replicas_for(self, step: Step) -> int:
-        """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
-        return self._core.replicas_for(step)
-
-    @property
-    def _step_bound(self) -> float:
-        """How long one step may take before it is presumed stalled: a lease, and at least 5 s."""
-        return step_bound(self._timeout)
-
-    def _now(self) -> float | None:
-        return None if self._clock is None else check_now(self._clock(), "clock()")
-
-    async def _arrive(self, identifier: str) -> None:  # noqa: B027 -- a hook: a script queues on arrival
-        """Note a blocking acquire's arrival, before its first step."""
-
-    def _forget(self, identifier: str) -> None:  # noqa: B027 -- a hook: the fair strategy keeps nothing
-        """Drop what a strategy keeps about an identifier whose acquire ended."""
 
     def _check_permit(self, permit: Permit) -> Permit:
         if not isinstance(permit, Permit):
@@ -525,7 +488,7 @@ class _Semaphore(ABC):
             )
         except redis.exceptions.OutOfMemoryError as error:
             raise out_of_memory(error, self._name) from None
-        now = self._now()
+        now = self._core.now()
         if now is None:
             now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}

@@ -711,6 +711,7 @@ def in_another_loop(step: Callable[[], Awaitable[T]]) -> T:
 async def held_on(sem: Semaphore, permit: Permit, within: float = 10.0) -> None:
     """Wait until the background refresher confirms ``permit`` once more (bounded)."""
     hold = sem._core.holdings.get(permit.identifier)
+    assert hold is not None
     confirmed = hold.confirmed_at
     with anyio.fail_after(within):
         while hold.confirmed_at == confirmed:  # noqa: ASYNC110 -- the refresher's own record; nothing signals it
@@ -725,6 +726,7 @@ async def test_a_semaphore_used_from_a_second_event_loop_raises_and_changes_noth
     async with contextlib.aclosing(on_busy(cls, busy)) as sem:
         async with sem as permit:
             hold = sem._core.holdings.get(permit.identifier)
+            assert hold is not None
             async with redis_unchanged(busy):
                 steps = (lambda: sem.acquire(blocking=False), sem.count, sem.__aenter__, lambda: sem.refresh(permit))
                 for step in steps:

@@ -231,6 +231,9 @@ async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(
     assert holder is not None
     first = asyncio.create_task(sem.acquire())
     await until_queued(sem, 1)
+    with anyio.fail_after(WAIT):
+        while not sem._core.queue.queued():  # noqa: ASYNC110 -- `first` may not have read its reply yet
+            await asyncio.sleep(0.002)
     (first_identifier,) = sem._core.queue.queued()
     second = asyncio.create_task(sem.acquire())
     await until_queued(sem, 2)

@@ -6,7 +6,7 @@ tombstones, receipts, a stored limit, TTLs on every key -- and writes it
 twice into one real ``redis-server``, under two prefixes. It then runs the
 same steps on both copies, on one fake clock: the scripts through
 `fair_step` (without the relay, which the locked class never does), and
-`AsyncLockedSemaphore._execute` -- its reads, `plan_step`, its
+`WatchedSteps.execute` -- its reads, `plan_step`, its
 transaction. After each step it compares the two replies, the messages the
 step published, and the two states: every key, member, score and TTL.
 
@@ -212,7 +212,7 @@ State = dict[str, tuple[Any, int]]
 
 async def read_state(admin: redis.asyncio.Redis, keys: SemaphoreKeys) -> State:
     """Every key of the semaphore, by its suffix: its value (a sorted set as (member, score) pairs) and PTTL."""
-    found = sorted(key.decode() for key in await admin.keys(f"{keys.base}*"))
+    found = sorted(key.decode() for key in await admin.keys(f"{keys.base}*"))  # type: ignore[union-attr]
     if await admin.exists(keys.lock):
         found.append(keys.lock)
     pipe = admin.pipeline(transaction=False)
@@ -361,7 +361,7 @@ async def run_side_by_side(server: RedisServer, seed: Seed, steps: list[Op]) -> 
                 caller=sem._process,
                 call=op.call,
             )
-            by_plan = await sem._execute(op.step, identifiers, op.call)
+            by_plan = await sem._core.backend.execute(op.step, identifiers, op.call)
             assert by_plan is not None, "the step lock was busy"
             await admin.publish(fair.channels + "marker", "")
             heard = await published(pubsub, "marker")
@@ -380,7 +380,7 @@ async def run_side_by_side(server: RedisServer, seed: Seed, steps: list[Op]) -> 
             after = await read_state(admin, locked)
             assert_same_state(before, after, TTL_TOLERANCE_MS + (time.monotonic() - started) * 1000)
     finally:
-        await pubsub.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
         await sem.aclose()
         left = [key for keys in (fair, locked) for key in await admin.keys(f"{keys.base}*")]
         if left:

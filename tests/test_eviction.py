@@ -30,6 +30,7 @@ import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimitMismatch, OutOfMemory
 from aiosem._connection import check_eviction_policy
+from aiosem._locked import WatchedSteps
 from aiosem._protocol import Step
 from aiosem._rules import COUNTER_TTL_MS
 from tests.faults import (
@@ -428,16 +429,16 @@ async def test_a_locked_step_whose_commit_is_refused_for_memory_raises_out_of_me
     # Memory fills between the step's reads, which pass, and its MULTI, which Redis refuses whole.
     client = fresh_redis_server.client()
     sem = AsyncLockedSemaphore(client, "committed", LIMIT, timeout=10.0)
-    commit = AsyncLockedSemaphore._commit
+    commit = WatchedSteps._commit
     before: dict[bytes, tuple[bytes | None, bool]] = {}
 
-    async def commit_on_a_full_server(self: AsyncLockedSemaphore, *args: Any) -> Any:
+    async def commit_on_a_full_server(self: WatchedSteps, *args: Any) -> Any:
         await exhaust_memory(admin)
         before.update(await snapshot(admin))
         return await commit(self, *args)
 
     try:
-        monkeypatch.setattr(AsyncLockedSemaphore, "_commit", commit_on_a_full_server)
+        monkeypatch.setattr(WatchedSteps, "_commit", commit_on_a_full_server)
         with pytest.raises(OutOfMemory, match=r"^Redis refused a step of semaphore 'committed': its memory is full"):
             await sem.acquire(blocking=False)
         monkeypatch.undo()
@@ -689,9 +690,9 @@ async def test_with_its_receipt_evicted_a_release_tried_again_answers_that_it_re
     try:
         held = await sem.acquire(blocking=False)
         assert held is not None
-        first = await sem._execute(Step.RELEASE, [held.identifier], "c0ffee")
+        first = await sem._core.backend.execute(Step.RELEASE, [held.identifier], "c0ffee")
         await admin.delete(f"{sem.key}:receipt:c0ffee")
-        again = await sem._execute(Step.RELEASE, [held.identifier], "c0ffee")
+        again = await sem._core.backend.execute(Step.RELEASE, [held.identifier], "c0ffee")
     finally:
         await sem.aclose()
         await client.aclose()
@@ -705,19 +706,19 @@ async def test_with_its_step_lock_evicted_mid_step_the_step_is_tried_again(
 ) -> None:
     client = fresh_redis_server.client()
     sem = AsyncLockedSemaphore(client, "unlocked", LIMIT)
-    commit = AsyncLockedSemaphore._commit
+    commit = WatchedSteps._commit
     committed: list[object] = []
 
-    async def commit_after_an_eviction(self: AsyncLockedSemaphore, *args: Any) -> Any:
+    async def commit_after_an_eviction(self: WatchedSteps, *args: Any) -> Any:
         if not committed:
             # The lock is evicted, and another step takes it, while this one runs.
-            await admin.delete(self._keys.lock)
-            await admin.set(self._keys.lock, "another step", px=50)
+            await admin.delete(self._core.keys.lock)
+            await admin.set(self._core.keys.lock, "another step", px=50)
         result = await commit(self, *args)
         committed.append(result[0])
         return result
 
-    monkeypatch.setattr(AsyncLockedSemaphore, "_commit", commit_after_an_eviction)
+    monkeypatch.setattr(WatchedSteps, "_commit", commit_after_an_eviction)
     try:
         with anyio.fail_after(BOUND):
             permit = await sem.acquire(blocking_timeout=BOUND)

@@ -28,11 +28,19 @@ if TYPE_CHECKING:
 
     import redis.asyncio
 
+    from aiosem._relay import Relay
     from tests.proxy import TcpProxy
     from tests.support import RedisServer
 
 #: Generous bounds on what happens within a few round trips.
 BOUND = 10.0
+
+
+def relay_of(sem: AsyncFairSemaphore) -> Relay:
+    """The relay of a fair semaphore object (it always has one)."""
+    relay = sem._core.relay
+    assert relay is not None
+    return relay
 
 
 async def queue_up(
@@ -114,7 +122,7 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         assert warm is not None
         await sem.release(warm)
         relayed, (behind,) = await relayed_to_head(sem, sem.acquire())
-        assert sem._core.relay.run_of(relayed.identifier)  # the step that granted it made the waiter behind its run
+        assert relay_of(sem).run_of(relayed.identifier)  # the step that granted it made the waiter behind its run
         assert await sem.waiting() == 1  # queued still, in its place
 
         proxy.hold_replies(after=FAIR_RELEASE.sha.encode())
@@ -222,7 +230,7 @@ async def test_a_relay_that_finds_the_next_waiter_gone_from_the_queue_tells_it(
             outcome.append(error)
 
     relayed, (body,) = await relayed_to_head(sem, hold_it())
-    (successor,) = sem._core.relay.run_of(relayed.identifier)
+    (successor,) = relay_of(sem).run_of(relayed.identifier)
     # Presumed dead in Redis (a process stalled past its waiter timeout, say), and its holder's permit lost.
     await real_client.zrem(f"{sem.key}:queue", successor[0])
     await real_client.zrem(f"{sem.key}:waiters", successor[0])
@@ -247,7 +255,7 @@ async def test_without_a_mutex_nothing_is_relayed(real_client: redis.asyncio.Red
         await sem.release(permit)
     with anyio.fail_after(BOUND):
         granted = await asyncio.gather(*waiters)
-    assert not any(sem._core.relay.run_of(permit.identifier) for permit in granted if permit is not None)
+    assert not any(relay_of(sem).run_of(permit.identifier) for permit in granted if permit is not None)
     for permit in granted:
         assert permit is not None
         assert await sem.release(permit)

@@ -138,11 +138,12 @@ class Seen:
 
 
 async def seen(client: redis.asyncio.Redis, keys: SemaphoreKeys) -> Seen:
-    owners = dict(await client.zrange(keys.owner_set, 0, -1, withscores=True))
-    stamps = dict(await client.zrange(keys.timeout_set, 0, -1, withscores=True))
+    owners: dict[bytes, float] = dict(await client.zrange(keys.owner_set, 0, -1, withscores=True))  # type: ignore[arg-type]
+    stamps: dict[bytes, float] = dict(await client.zrange(keys.timeout_set, 0, -1, withscores=True))  # type: ignore[arg-type]
+    queue: list[bytes] = await client.zrange(keys.queue, 0, -1)  # type: ignore[assignment]
     return Seen(
         holders={member.decode(): (int(owners[member]), stamps[member]) for member in owners},
-        queue=[member.decode() for member in await client.zrange(keys.queue, 0, -1)],
+        queue=[member.decode() for member in queue],
         counter=int(await client.get(keys.counter) or 0),
     )
 

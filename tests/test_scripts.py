@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 from importlib.resources import files
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -133,7 +133,7 @@ def test_every_script_is_given_the_rules_constants_and_no_lua_file_spells_one() 
 
 async def test_the_scripts_follow_the_injected_rules(client: redis.asyncio.Redis, clock: FakeClock) -> None:
     keys = SemaphoreKeys.for_name("aiosem", "rules")
-    options = {"now": clock.now, "lease": 10.0, "limit": 1, "waiter_ttl": 2.0, "caller": "ab12"}
+    options: dict[str, Any] = {"now": clock.now, "lease": 10.0, "limit": 1, "waiter_ttl": 2.0, "caller": "ab12"}
     await fair_step(client, Step.WAIT, keys, ["ab12.holder"], **options)
     assert (await fair_step(client, Step.WAIT, keys, ["ab12.waiter"], **options)).values == (QUEUED,)
     await fair_step(client, Step.CANCEL, keys, ["ab12.unseen"], **options)

@@ -126,8 +126,8 @@ async def test_a_release_tried_again_under_its_call_id_answers_what_the_first_tr
     held = await sem.acquire()
     assert held is not None
     never_held = f"{sem._process}.{'0' * 16}"
-    first = await sem._execute(Step.RELEASE, [held.identifier, never_held], "c0ffee")
-    again = await sem._execute(Step.RELEASE, [held.identifier, never_held], "c0ffee")
+    first = await sem._core.backend.execute(Step.RELEASE, [held.identifier, never_held], "c0ffee")
+    again = await sem._core.backend.execute(Step.RELEASE, [held.identifier, never_held], "c0ffee")
     assert first is not None
     assert again is not None
     assert first.values == again.values == (1, 0)
@@ -138,8 +138,8 @@ async def test_another_release_call_of_a_released_permit_answers_false(make: Cal
     sem = make(limit=1)
     held = await sem.acquire()
     assert held is not None
-    assert await sem._execute(Step.RELEASE, [held.identifier], "c0ffee") is not None
-    other = await sem._execute(Step.RELEASE, [held.identifier], "decaf")
+    assert await sem._core.backend.execute(Step.RELEASE, [held.identifier], "c0ffee") is not None
+    other = await sem._core.backend.execute(Step.RELEASE, [held.identifier], "decaf")
     assert other is not None
     assert other.values == (0,)
 
@@ -150,9 +150,9 @@ async def test_a_release_receipt_lasts_as_long_as_the_call_may_be_tried_again(
     sem = make(limit=1, timeout=7)
     held = await sem.acquire()
     assert held is not None
-    assert await sem._execute(Step.RELEASE, [held.identifier], "c0ffee") is not None
+    assert await sem._core.backend.execute(Step.RELEASE, [held.identifier], "c0ffee") is not None
     assert 6_000 < await client_admin.pttl(f"{sem.key}:receipt:c0ffee") <= 7_000  # the step bound: the lease
-    assert await sem._execute(Step.RELEASE, [held.identifier], "decaf") is not None
+    assert await sem._core.backend.execute(Step.RELEASE, [held.identifier], "decaf") is not None
     assert not await client_admin.exists(f"{sem.key}:receipt:decaf")  # it released nothing
 
 

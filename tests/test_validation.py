@@ -17,6 +17,8 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, recipes
+from aiosem._fair import ScriptedSteps
+from aiosem._locked import WatchedSteps
 from tests.support import unrestricted
 
 if TYPE_CHECKING:
@@ -222,13 +224,14 @@ async def test_a_finite_blocking_timeout_is_stored_as_a_float(
 def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record every atomic step the semaphores of ``cls`` run."""
     steps: list[str] = []
-    execute = cls._execute
+    backend = ScriptedSteps if cls is AsyncFairSemaphore else WatchedSteps
+    execute = backend.execute
 
     async def counting(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
         steps.append(f"{step.operation.value} {step.mode}".strip())
         return await execute(self, step, identifiers, call)
 
-    monkeypatch.setattr(cls, "_execute", counting)
+    monkeypatch.setattr(backend, "execute", counting)
     return steps
 
 
