@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
 
-from ._connection import Client, redirected
-from ._coordination import Lane, Submission, to_the_end
+from ._connection import Client, redirected, scored, text, transaction
+from ._coordination import Lane, Submission, detached, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory
 from ._holding import Holdings
 from ._observing import emit_permit
@@ -226,6 +226,33 @@ class Core:
         if reply is not None and reply.replicated is not None and reply.replicated < replicas:
             raise NotReplicated(name=name, replicas=replicas, acknowledged=reply.replicated)
         return reply
+
+    async def holders(self) -> dict[str, float]:
+        """The live holders' identifiers, each with the seconds left of its lease: see `_Semaphore.holders`."""
+        keys = self.keys
+        try:
+            leases, owners, time = await detached(
+                transaction(
+                    self.client,
+                    keys.base,
+                    ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+                    ("ZRANGE", keys.owner_set, 0, -1),
+                    ("TIME",),
+                ),
+                name="aiosem holders",
+            )
+        except redis.exceptions.OutOfMemoryError as error:
+            raise out_of_memory(error, self.semaphore.name) from None
+        now = self.now()
+        if now is None:
+            now = int(time[0]) + int(time[1]) / 1_000_000
+        owned = {text(owner) for owner in owners}
+        lease = self.semaphore.timeout
+        return {
+            member: remaining
+            for member, score in scored(leases)
+            if member in owned and (remaining := score + lease - now) > 0
+        }
 
     async def close(self) -> None:
         """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""

@@ -24,19 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-import redis
-
 from ._connection import (
     Client,
     check_cluster_support,
-    scored,
-    text,
-    transaction,
     watch_eviction_policy,
 )
 from ._coordination import detached
 from ._core import Core
-from ._exceptions import AcquireTimeout, LimitMismatch, out_of_memory
+from ._exceptions import AcquireTimeout, LimitMismatch
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit
 from ._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
@@ -316,31 +311,24 @@ class _Semaphore:
         started = time.monotonic()
         # In the background: a call's order and its timeout owe nothing to a one-time check.
         watch_eviction_policy(self._client, self._keys.base)
-        taken = await self._wait_for_permit(wait)
-        if taken is None:
+        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait)
+        if value == LIMIT_MISMATCH:
+            # Neither granted nor queued: nothing to give up.
+            stored = await detached(self._client.get(self._keys.limit), name="aiosem limit")
+            raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
+        if value <= 0:
             emit("timed_out", "semaphore", self._name, time.monotonic() - started)
             return None
-        permit, *_ = taken
+        permit = Permit(self._name, identifier, value, self._keys.base, time.monotonic())
         emit(
             "acquired",
             "semaphore",
             self._name,
             permit.acquired_at - started,
-            identifier=permit.identifier,
-            fencing_token=permit.fencing_token,
+            identifier=identifier,
+            fencing_token=value,
         )
-        return taken
-
-    async def _wait_for_permit(self, wait: float | None) -> tuple[Permit, float, float] | None:
-        """`_take`, once its arguments are checked: the wait queue's answer, made a permit or an error."""
-        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait)
-        if value > 0:
-            return Permit(self._name, identifier, value, self._keys.base, time.monotonic()), confirmed_at, lease
-        if value == LIMIT_MISMATCH:
-            # Neither granted nor queued: nothing to give up.
-            stored = await detached(self._client.get(self._keys.limit), name="aiosem limit")
-            raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
-        return None
+        return permit, confirmed_at, lease
 
     async def release(self, permit: Permit) -> bool:
         """Give a permit back; the longest waiter, if any, gets it in the same step.
@@ -474,29 +462,7 @@ class _Semaphore:
                 look, which is one transaction.
             redis.RedisError: Redis failed or could not be reached.
         """
-        keys = self._keys
-        try:
-            leases, owners, time = await detached(
-                transaction(
-                    self._client,
-                    keys.base,
-                    ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-                    ("ZRANGE", keys.owner_set, 0, -1),
-                    ("TIME",),
-                ),
-                name="aiosem holders",
-            )
-        except redis.exceptions.OutOfMemoryError as error:
-            raise out_of_memory(error, self._name) from None
-        now = self._core.now()
-        if now is None:
-            now = int(time[0]) + int(time[1]) / 1_000_000
-        owned = {text(owner) for owner in owners}
-        return {
-            member: remaining
-            for member, score in scored(leases)
-            if member in owned and (remaining := score + self._timeout - now) > 0
-        }
+        return await self._core.holders()
 
     def statistics(self) -> SemaphoreStatistics:
         """Return a snapshot: counts as Redis last answered this object, and its local waiters."""
