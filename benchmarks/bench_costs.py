@@ -49,7 +49,7 @@ from bench_throughput import (
 
 from aiosem import AsyncFairSemaphore
 from aiosem._connection import pinned_connection
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence

@@ -38,7 +38,7 @@ import redis.asyncio
 from bench_throughput import environment, markdown_table, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, recipes
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

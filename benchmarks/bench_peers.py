@@ -102,7 +102,7 @@ from book import BookFairSemaphore, BookLockedSemaphore
 from limiters import AsyncSemaphore
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence

@@ -47,7 +47,7 @@ from bench_throughput import environment, markdown_table, redis_server_binary, w
 
 from aiosem import AsyncRateLimiter
 from aiosem._demo import embedded_server
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

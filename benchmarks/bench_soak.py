@@ -68,7 +68,7 @@ from bench_throughput import HOST, environment, markdown_table, positive, redis_
 
 from aiosem import AsyncFairSemaphore
 from aiosem._urls import close, connect
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

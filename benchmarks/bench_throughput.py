@@ -55,7 +55,7 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer, find_redis_server
+from tests.harness.support import RedisServer, find_redis_server
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -58,7 +58,7 @@ import redis.asyncio
 from bench_throughput import HOST, environment, markdown_table, percentile, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
+from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
