@@ -31,13 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from bench_throughput import environment, markdown_table
+from harness import How, Semaphore, SentinelGroup, count_forgotten, environment, find_redis_server, markdown_table
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._urls import close, connect
-from tests.harness.failover import How, Semaphore, count_forgotten
-from tests.harness.support import find_redis_server
-from tests.harness.topology import SentinelGroup
 
 if TYPE_CHECKING:
     from aiosem._connection import Client

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Final
 
-from tests.harness import book_client
+from harness import book_client
 
 if TYPE_CHECKING:
     import redis.asyncio
