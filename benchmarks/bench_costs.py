@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bench_throughput import (
+from harness import (
     RAW_REMOVE,
     RawLoop,
+    RedisServer,
     environment,
     markdown_table,
     new_client,
@@ -49,7 +50,6 @@ from bench_throughput import (
 
 from aiosem import AsyncFairSemaphore
 from aiosem._connection import pinned_connection
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence

@@ -1,10 +1,10 @@
 """What a failover does to permits, and what ``replicas=1`` costs to prevent it.
 
-On a master, its replica and three sentinels of its own (`tests.topology.SentinelGroup`),
+On a master, its replica and three sentinels of its own (`tests.harness.topology.SentinelGroup`),
 all on loopback, for `AsyncFairSemaphore` and `AsyncLockedSemaphore`:
 
 * **forgotten permits**: ``--rounds`` failovers, each while a task takes
-  permits one after another (`tests.failover.count_forgotten`); afterwards
+  permits one after another (`tests.harness.failover.count_forgotten`); afterwards
   every permit the task was told it got is looked up on the new master.
   Both by ``SENTINEL FAILOVER`` and by SIGKILL of the master, with
   ``replicas=0`` (the default) and ``replicas=1``.
@@ -31,13 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from bench_throughput import environment, markdown_table
+from harness import How, Semaphore, SentinelGroup, count_forgotten, environment, find_redis_server, markdown_table
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._urls import close, connect
-from tests.failover import How, Semaphore, count_forgotten
-from tests.support import find_redis_server
-from tests.topology import SentinelGroup
 
 if TYPE_CHECKING:
     from aiosem._connection import Client

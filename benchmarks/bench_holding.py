@@ -35,10 +35,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import anyio
 import redis.asyncio
-from bench_throughput import environment, markdown_table, redis_server_binary, write_report
+from harness import RedisServer, environment, markdown_table, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, recipes
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

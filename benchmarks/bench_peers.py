@@ -5,7 +5,7 @@ In each scenario, 64 coroutines of one process share one client and run
 of limit 16 and then of limit 1 (a mutex). The rows, all on the scenario's
 own ``redis-server`` and measured one after the other in the same run:
 
-* ``raw EVALSHA loop``: `bench_throughput.RawLoop`, two EVALSHA round trips
+* ``raw EVALSHA loop``: `harness.RawLoop`, two EVALSHA round trips
   per cycle and no logic -- the floor of redis-py's one-command-per-round-trip
   path, and what every row is divided by (aiosem, which coalesces what its
   coroutines ask at once into one call, can beat it);
@@ -81,12 +81,14 @@ import redis
 import redis.asyncio
 import redis.asyncio.lock
 import redis_lock  # type: ignore[import-untyped]  # python-redis-lock ships no type information
-from bench_throughput import (
+from book import BookFairSemaphore, BookLockedSemaphore
+from harness import (
     GRACE,
     HOST,
     MAX_CONNECTIONS,
     Cycler,
     RawLoop,
+    RedisServer,
     commandstats_calls,
     environment,
     markdown_table,
@@ -98,11 +100,9 @@ from bench_throughput import (
     redis_server_binary,
     write_report,
 )
-from book import BookFairSemaphore, BookLockedSemaphore
 from limiters import AsyncSemaphore
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence

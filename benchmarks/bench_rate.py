@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import redis.asyncio
-from bench_throughput import environment, markdown_table, redis_server_binary, write_report
+from harness import RedisServer, environment, markdown_table, redis_server_binary, write_report
 
 from aiosem import AsyncRateLimiter
 from aiosem._demo import embedded_server
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -54,33 +54,38 @@ import tracemalloc
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 import redis.asyncio
-from bench_throughput import (
+from harness import (
     HOST,
+    STEP_TIMEOUT,
+    Message,
+    Peer,
     commandstats_calls,
     environment,
     markdown_table,
     new_client,
+    next_message,
+    on_fresh_server,
+    open_stdin,
+    parse_or_play_role,
     percentile,
     redis_server_binary,
+    report,
+    verdict,
     write_report,
 )
-from bench_waiting import Peer, next_message, on_fresh_server, open_stdin, parse_or_play_role, report, verdict
 
 from aiosem import AsyncFairSemaphore
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-Message: TypeAlias = dict[str, Any]
 T = TypeVar("T")
 
 SCRIPT: Final = str(Path(__file__).resolve())
-#: How long any one step -- a reply, a condition -- may take.
-STEP_TIMEOUT: Final = 30.0
 #: How long a helper process lives at most, whatever happens to this one.
 ROLE_LIFETIME: Final = 300.0
 POLL_PAUSE: Final = 0.01

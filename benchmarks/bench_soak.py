@@ -64,11 +64,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, environment, markdown_table, positive, redis_server_binary, write_report
+from harness import HOST, RedisServer, environment, markdown_table, positive, redis_server_binary, write_report
 
 from aiosem import AsyncFairSemaphore
 from aiosem._urls import close, connect
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

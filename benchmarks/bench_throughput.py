@@ -34,47 +34,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
-import os
-import platform
-import re
-import secrets
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
-import redis
-import redis.asyncio
+from harness import (
+    GRACE,
+    Cycler,
+    RawLoop,
+    RedisServer,
+    environment,
+    markdown_table,
+    new_client,
+    non_negative,
+    package_version,
+    percentile,
+    positive,
+    redis_benchmark_ping,
+    redis_server_binary,
+    run_phase,
+    write_report,
+)
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer, find_redis_server
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-HOST: Final = "127.0.0.1"
 #: The semaphores' limit, unless a scenario says otherwise.
 LIMIT: Final = 16
-#: Enough for 64 coroutines that each hold at most one connection at a time;
-#: a bound, so that a leak shows up as waiting rather than as 1000 sockets.
-MAX_CONNECTIONS: Final = 128
-#: How long a coroutine may still be inside a cycle after the time is up.
-GRACE: Final = 10.0
 #: Uncontended cycles counted with INFO commandstats.
 COUNTED_CYCLES: Final = 1000
 
-# The raw floor does what the fair scripts do at the least: one write to a
-# sorted set per step, the identifier as member.
-RAW_ADD: Final = "return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])"
-RAW_REMOVE: Final = "return redis.call('ZREM', KEYS[1], ARGV[1])"
 
 Kind = Literal["raw", "fair", "locked"]
 
@@ -97,54 +90,11 @@ NAMES: Final[dict[Kind, str]] = {
 }
 
 
-def label(kind: Kind, limit: int | None) -> str:
-    return NAMES[kind] if limit is None else f"{NAMES[kind]} (limit {limit})"
-
-
 T = TypeVar("T")
 
 
-class Cycler(Protocol[T]):
-    """Anything with the semaphores' acquire/release shape."""
-
-    async def acquire(self) -> T | None: ...
-
-    async def release(self, permit: T) -> object: ...
-
-
-class RawLoop:
-    """The floor: a semaphore's two round trips with none of its logic."""
-
-    __slots__ = ("_add", "_client", "_key", "_remove")
-
-    def __init__(self, client: redis.asyncio.Redis, key: str, add: str, remove: str) -> None:
-        self._client = client
-        self._key = key
-        self._add = add
-        self._remove = remove
-
-    @classmethod
-    async def load(cls, client: redis.asyncio.Redis, key: str) -> RawLoop:
-        add = await client.script_load(RAW_ADD)
-        remove = await client.script_load(RAW_REMOVE)
-        return cls(client, key, str(add), str(remove))
-
-    async def acquire(self) -> str:
-        # A fresh identifier per cycle, as the semaphores make, so that 64
-        # coroutines never remove each other's members.
-        identifier = secrets.token_hex(16)
-        await self._client.evalsha(self._add, 1, self._key, time.time(), identifier)
-        return identifier
-
-    async def release(self, permit: str) -> object:
-        return await self._client.evalsha(self._remove, 1, self._key, permit)
-
-
-@dataclass(frozen=True, slots=True)
-class Phase:
-    cycles: int
-    seconds: float
-    latencies: list[float]
+def label(kind: Kind, limit: int | None) -> str:
+    return NAMES[kind] if limit is None else f"{NAMES[kind]} (limit {limit})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,68 +126,7 @@ class CommandCount:
 # --- the server ------------------------------------------------------------
 
 
-def redis_benchmark_ping(port: int) -> dict[str, float] | None:
-    """``redis-benchmark``'s PING rates (requests/s) by test name, or None without the tool."""
-    binary = shutil.which("redis-benchmark")
-    if binary is None:
-        return None
-    command = [binary, "-h", HOST, "-p", str(port), "-q", "-t", "ping", "-n", "100000", "-P", "1"]
-    try:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    except (subprocess.SubprocessError, OSError) as error:
-        print(f"redis-benchmark failed, skipped: {error}", file=sys.stderr)
-        return None
-    # -q still writes progress lines, separated by carriage returns.
-    rates = {
-        match[1]: float(match[2])
-        for match in re.finditer(r"^(PING_\w+): ([\d.]+) requests per second", completed.stdout, re.MULTILINE)
-    }
-    return rates or None
-
-
 # --- the measurements ----------------------------------------------------------
-
-
-def new_client(port: int) -> redis.asyncio.Redis:
-    pool = redis.asyncio.BlockingConnectionPool(host=HOST, port=port, max_connections=MAX_CONNECTIONS, timeout=GRACE)
-    return redis.asyncio.Redis.from_pool(pool)
-
-
-async def worker(cycler: Cycler[T], stop_at: float, latencies: list[float]) -> int:
-    cycles = 0
-    while time.perf_counter() < stop_at:
-        started = time.perf_counter()
-        permit = await cycler.acquire()
-        latencies.append(time.perf_counter() - started)
-        if permit is None:
-            raise RuntimeError("acquire gave up although it was asked to wait for ever")
-        await cycler.release(permit)
-        cycles += 1
-    return cycles
-
-
-async def run_phase(cycler: Cycler[T], coroutines: int, seconds: float) -> Phase:
-    latencies: list[float] = []
-    start = time.perf_counter()
-    tasks = [asyncio.create_task(worker(cycler, start + seconds, latencies)) for _ in range(coroutines)]
-    _, pending = await asyncio.wait(tasks, timeout=seconds + GRACE)
-    # Cycles that finish after the deadline count, so the time they took does too.
-    elapsed = time.perf_counter() - start
-    if pending:
-        for task in pending:
-            task.cancel()
-        # The semaphores give back a cancelled acquire's permit, shielded but bounded.
-        await asyncio.wait(pending, timeout=GRACE)
-        raise RuntimeError(f"{len(pending)} of {coroutines} coroutines were still in a cycle {GRACE:g} s after the end")
-    cycles = sum(task.result() for task in tasks)
-    return Phase(cycles, elapsed, latencies)
-
-
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """The nearest-rank percentile: a value that was actually observed."""
-    if not sorted_values:
-        return math.nan
-    return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
 
 
 async def measure(
@@ -358,81 +247,6 @@ def results_table(results: Sequence[ScenarioResult]) -> str:
         for result in results
     ]
     return markdown_table(header, rows)
-
-
-def commandstats_calls(stats: dict[str, Any]) -> dict[str, int]:
-    """Calls by command name, from an INFO reply that holds the commandstats section among others."""
-    return {
-        name.removeprefix("cmdstat_"): int(entry["calls"])
-        for name, entry in stats.items()
-        if name.startswith("cmdstat_")
-    }
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table, the first column left-aligned and the others right."""
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = (
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        )
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join("-" * (width + 1) + (":" if i else "-") for i, width in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule, *(line(row) for row in rows)])
-
-
-def redis_server_binary() -> str:
-    """The ``redis-server`` a benchmark starts (``$AIOSEM_REDIS_SERVER``, else the one on ``PATH``); exits without."""
-    binary = find_redis_server()
-    if binary is None:
-        raise SystemExit("no redis-server: put it on PATH or in AIOSEM_REDIS_SERVER")
-    return binary
-
-
-def write_report(path: Path, report: dict[str, Any]) -> None:
-    """Write a benchmark's figures to ``path`` as indented JSON, making its folder if need be."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
-
-
-def environment(redis_server: object) -> dict[str, object]:
-    """What a result depends on besides aiosem's code: when, where, and with which versions."""
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "aiosem": package_version("aiosem"),
-        "redis_py": redis.__version__,
-        "hiredis": package_version("hiredis"),
-        "redis_server": redis_server,
-    }
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be zero or a positive number of seconds, got {text}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

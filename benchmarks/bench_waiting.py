@@ -42,30 +42,41 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar
 
 import anyio
 import redis
 import redis.asyncio
-from bench_throughput import HOST, environment, markdown_table, percentile, redis_server_binary, write_report
+from harness import (
+    HOST,
+    STEP_TIMEOUT,
+    Message,
+    Peer,
+    environment,
+    markdown_table,
+    next_message,
+    on_fresh_server,
+    open_stdin,
+    parse_or_play_role,
+    percentile,
+    redis_server_binary,
+    report,
+    verdict,
+    write_report,
+)
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from tests.support import RedisServer
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
 Kind = Literal["fair", "locked"]
 Semaphore: TypeAlias = AsyncFairSemaphore | AsyncLockedSemaphore
-Message: TypeAlias = dict[str, Any]
 CrashCase = Literal["holder killed", "head waiter killed"]
 T = TypeVar("T")
 
@@ -73,11 +84,6 @@ KINDS: Final[tuple[Kind, ...]] = ("fair", "locked")
 LABELS: Final[dict[Kind, str]] = {"fair": "AsyncFairSemaphore", "locked": "AsyncLockedSemaphore"}
 SCRIPT: Final = str(Path(__file__).resolve())
 
-#: How long any one step -- a wait for a reply, a condition, a grant -- may take.
-STEP_TIMEOUT: Final = 30.0
-#: The longest line a helper may report: a report can carry every span a
-#: worker measured, far beyond asyncio's default of 64 KiB.
-LINE_LIMIT: Final = 256 * 1024 * 1024
 #: How long a helper process lives at most, whatever happens to this one.
 ROLE_LIFETIME: Final = 300.0
 #: Pause between two looks at a condition polled in Redis.
@@ -155,85 +161,6 @@ def ms(seconds: float) -> float:
 
 
 # --- the other processes -------------------------------------------------------
-
-
-class Peer:
-    """Another process running this file with ``--role``, spoken to over its stdin and stdout."""
-
-    __slots__ = ("_process", "_stdin", "_stdout", "role")
-
-    def __init__(self, role: str, process: asyncio.subprocess.Process) -> None:
-        if process.stdin is None or process.stdout is None:
-            raise ValueError("the process needs piped stdin and stdout")
-        self.role = role
-        self._process = process
-        self._stdin = process.stdin
-        self._stdout = process.stdout
-
-    def __repr__(self) -> str:
-        return f"Peer(role={self.role!r}, pid={self._process.pid}, returncode={self._process.returncode})"
-
-    @classmethod
-    async def start(cls, role: str, port: int, *, script: str = SCRIPT, **config: Any) -> Peer:
-        """Start ``script`` (by default this file) with ``--role``; its messages are read with `receive`."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, script, "--role", role, "--port", str(port), "--config", json.dumps(config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT,
-        )  # fmt: skip
-        return cls(role, process)
-
-    async def send(self, **message: Any) -> None:
-        self._stdin.write(json.dumps(message).encode() + b"\n")
-        await self._stdin.drain()
-
-    async def receive(self, within: float = STEP_TIMEOUT) -> Message:
-        """The next message; `TimeoutError` if none comes ``within`` seconds."""
-        line = await asyncio.wait_for(self._stdout.readline(), within)
-        if not line:
-            raise RuntimeError(f"the {self.role} process ended unexpectedly (exit code {self._process.returncode})")
-        message: Message = json.loads(line)
-        if "error" in message:
-            raise RuntimeError(f"the {self.role} process failed: {message['error']}")
-        return message
-
-    def kill(self) -> None:
-        """SIGKILL the process, as a crash would."""
-        if self._process.returncode is None:
-            self._process.kill()
-
-    async def close(self) -> None:
-        """Close its stdin (it exits on EOF), then kill it if it lingers."""
-        if not self._stdin.is_closing():
-            self._stdin.close()
-        try:
-            await asyncio.wait_for(self._process.wait(), 10)
-        except TimeoutError:
-            self.kill()
-            await asyncio.wait_for(self._process.wait(), 10)
-
-    async def __aenter__(self) -> Peer:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if exc_info[0] is not None:
-            self.kill()
-        await self.close()
-
-
-def report(**message: Any) -> None:
-    print(json.dumps(message), flush=True)
-
-
-async def open_stdin() -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    return reader
-
-
-async def next_message(stdin: asyncio.StreamReader) -> Message | None:
-    line = await stdin.readline()
-    return json.loads(line) if line else None
 
 
 async def role_handoff_waiter(client: redis.asyncio.Redis, config: Message, stdin: asyncio.StreamReader) -> None:
@@ -400,7 +327,9 @@ async def measure_handoff(port: int, kind: Kind, repetitions: int) -> HandoffRes
     try:
         evalsha = await evalsha_round_trip(client, EVALSHA_CALLS)
         sha = await client.script_load(TRIVIAL_SCRIPT)
-        async with await Peer.start("handoff-waiter", port, kind=kind, name=name, channel=channel) as waiter:
+        async with await Peer.start(
+            "handoff-waiter", port, script=SCRIPT, kind=kind, name=name, channel=channel
+        ) as waiter:
             await waiter.receive()
             for repetition in range(HANDOFF_WARMUP + repetitions):
                 # The floor first, in the same conditions: the listener idle
@@ -528,8 +457,12 @@ async def measure_fairness(port: int, kind: Kind, runs: int) -> FairnessResult:
     gaps: list[float] = []
     try:
         async with (
-            await Peer.start("fair-waiters", port, kind=kind, name=name, slot=0, waiters=FAIR_WAITERS) as even,
-            await Peer.start("fair-waiters", port, kind=kind, name=name, slot=1, waiters=FAIR_WAITERS) as odd,
+            await Peer.start(
+                "fair-waiters", port, script=SCRIPT, kind=kind, name=name, slot=0, waiters=FAIR_WAITERS
+            ) as even,
+            await Peer.start(
+                "fair-waiters", port, script=SCRIPT, kind=kind, name=name, slot=1, waiters=FAIR_WAITERS
+            ) as odd,
         ):
             await even.receive()
             await odd.receive()
@@ -619,7 +552,9 @@ async def measure_killed_holder(port: int, kind: Kind, repetitions: int) -> Cras
     try:
         for repetition in range(repetitions):
             name = f"crash-holder-{kind}-{repetition}"
-            async with await Peer.start("crash-holder", port, kind=kind, name=name, timeout=CRASH_LEASE) as holder:
+            async with await Peer.start(
+                "crash-holder", port, script=SCRIPT, kind=kind, name=name, timeout=CRASH_LEASE
+            ) as holder:
                 # The lease started at the latest when the holder called acquire.
                 started = (await holder.receive())["started"]
                 waiter = make(kind, client, name, timeout=CRASH_LEASE)
@@ -650,7 +585,7 @@ async def measure_killed_waiter(port: int, kind: Kind, repetitions: int) -> Cras
             if permit is None:
                 raise RuntimeError("the holder could not take the free permit")
             async with await Peer.start(
-                "crash-waiter", port, kind=kind, name=name, waiter_timeout=CRASH_WAITER_TIMEOUT
+                "crash-waiter", port, script=SCRIPT, kind=kind, name=name, waiter_timeout=CRASH_WAITER_TIMEOUT
             ) as head:
                 await head.receive()
                 await head.send(go=True)
@@ -718,7 +653,14 @@ async def measure_idle(port: int, kind: Kind, waiters: int, window: float) -> Id
         if permit is None:
             raise RuntimeError("the holder could not take the free permit")
         async with await Peer.start(
-            "idle-waiters", port, kind=kind, name=name, count=waiters, timeout=IDLE_LEASE, client_name=WAITERS_CLIENT
+            "idle-waiters",
+            port,
+            script=SCRIPT,
+            kind=kind,
+            name=name,
+            count=waiters,
+            timeout=IDLE_LEASE,
+            client_name=WAITERS_CLIENT,
         ) as process:
             await process.receive()
             started = time.perf_counter()
@@ -781,10 +723,6 @@ async def measure_idle(port: int, kind: Kind, waiters: int, window: float) -> Id
 
 
 # --- the report ------------------------------------------------------------
-
-
-def verdict(met: bool) -> str:
-    return "yes" if met else "**no**"
 
 
 def handoff_table(results: Sequence[HandoffResult]) -> str:
@@ -944,44 +882,6 @@ FULL: Final = Plan(
 QUICK: Final = Plan(
     handoff_repetitions=30, fairness_runs=3, crash_repetitions=2, idle_waiters=IDLE_WAITERS, idle_window_s=1.5
 )
-
-
-def on_fresh_server(
-    binary: str, versions: set[str], label: str, scenario: Callable[[int], Coroutine[Any, Any, T]]
-) -> T:
-    """Run ``scenario(port)`` in a new event loop, against a new ``redis-server``."""
-    print(f"  {label} ...", file=sys.stderr, flush=True)
-    with (
-        tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
-        RedisServer(binary, Path(directory)) as server,
-    ):
-        versions.add(server.version)
-        return asyncio.run(scenario(server.port))
-
-
-def parse_or_play_role(
-    parser: argparse.ArgumentParser,
-    argv: Sequence[str] | None,
-    roles: Mapping[str, object],
-    run_role: Callable[[str, int, Message], Coroutine[Any, Any, None]],
-) -> argparse.Namespace | None:
-    """Parse a multi-process benchmark's arguments, with the hidden ones of its helper processes.
-
-    Started as a helper process (``--role``), play the role and return
-    ``None``. Otherwise warn if ``perf_counter`` cannot be compared across
-    processes, as the figures need.
-    """
-    parser.add_argument("--role", choices=sorted(roles), help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--config", type=json.loads, default={}, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.role is not None:
-        asyncio.run(run_role(args.role, args.port, args.config))
-        return None
-    clock = time.get_clock_info("perf_counter")
-    if "CLOCK_MONOTONIC" not in clock.implementation:
-        print(f"warning: perf_counter is {clock.implementation}; cross-process times may not compare", file=sys.stderr)
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 The book's functions themselves -- listings 6.14-6.15 (the fair semaphore:
 a counter, ``ZINTERSTORE`` and two ``MULTI`` pipelines, ranked by the
 client's ``time.time()``) and 6.17 (the same under a ``SETNX`` lock given up
-after 10 ms) -- are the transcription in `tests.book_client`, faults kept on
+after 10 ms) -- are the transcription in `tests.harness.book_client`, faults kept on
 purpose, that the test suite already runs against aiosem. They are reused
 here rather than copied, so that the benchmark and the tests measure the very
 same code. (`aiosem.recipes` are the repaired versions and are not the
@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Final
 
-from tests import book_client
+from harness import book_client
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -70,7 +70,7 @@ class BookFairSemaphore:
 
     async def acquire(self) -> str | None:
         """Try every `RETRY_PAUSE` until admitted; ``None`` after ``blocking_timeout``."""
-        # A monotonic deadline, like tests.book_client's lock waits: the
+        # A monotonic deadline, like tests.harness.book_client's lock waits: the
         # book's clock (time.time) is what it ranks with, not what a caller
         # should time its patience by.
         deadline = time.monotonic() + self._blocking_timeout

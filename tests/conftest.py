@@ -7,32 +7,40 @@ message, except under CI (``CI`` set), where they fail.
 
 With ``AIOSEM_TEST_ACL=1`` the servers' URLs and clients -- a cluster's and a
 Sentinel-managed master's too -- authenticate as a user with aiosem's
-commands only (see tests/support.py), the set-up that needs more uses
+commands only (see tests/harness/support.py), the set-up that needs more uses
 `admin_client`, and a test fails if any server refused that user anything.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 import fakeredis
 import pytest
-from redis.asyncio.cluster import RedisCluster
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _config
-from aiosem._connection import check_cluster_support
-from tests.limiting import isolate
-from tests.proxy import TcpProxy
-from tests.support import ACL_MODE, SUITE_USER, FakeClock, RedisServer, find_redis_server, flushed_client, unrestricted
-from tests.topology import RedisClusterGroup, SentinelGroup, SentinelMasterClient
+from tests.harness.limiting import isolate
+from tests.harness.proxy import TcpProxy
+from tests.harness.support import (
+    ACL_MODE,
+    SUITE_USER,
+    FakeClock,
+    RedisServer,
+    find_redis_server,
+    flushed_client,
+    unrestricted,
+)
+from tests.harness.topology import RedisClusterGroup, SentinelGroup, SentinelMasterClient, cluster_support_missing
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
     import redis.asyncio
+    from redis.asyncio.cluster import RedisCluster
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -144,6 +152,25 @@ async def unconfigured(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
 
 @pytest.fixture
+def _isolated(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No configuration nor environment to begin with (the test's clients set up first); forgotten at the end.
+
+    Autouse for every test of ``tests/frontend/configured``; others ask for it.
+    """
+    isolate(request, monkeypatch)
+    yield
+    _config._reset()
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound but not listening: every connection to it is refused."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield bound.getsockname()[1]
+
+
+@pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
 
@@ -153,14 +180,6 @@ async def proxy(redis_server: RedisServer) -> AsyncIterator[TcpProxy]:
     """A `TcpProxy` in front of the session's server, started in the test's event loop."""
     async with TcpProxy(redis_server.host, redis_server.port) as started:
         yield started
-
-
-def _skip_without_cluster_support() -> None:
-    """The cluster needs redis-py 8 (sharded pub/sub on asyncio); the oldest redis-py run skips it."""
-    try:
-        check_cluster_support(RedisCluster.__new__(RedisCluster))
-    except RuntimeError as error:
-        pytest.skip(str(error))
 
 
 class _RestrictedCluster(RedisClusterGroup):
@@ -195,7 +214,9 @@ _SentinelGroup = _RestrictedSentinelGroup if ACL_MODE else SentinelGroup
 @pytest.fixture(scope="session")
 def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterGroup]:
     """Three cluster masters for the session; tests may move slots, and leave the cluster settled."""
-    _skip_without_cluster_support()
+    missing = cluster_support_missing()
+    if missing is not None:  # the oldest redis-py run skips the cluster
+        pytest.skip(missing)
     with _Cluster(redis_binary, tmp_path_factory.mktemp("cluster")) as group:
         yield group
 

@@ -1,0 +1,1 @@
+"""The semaphore contract, over both classes: granting, waiting, order, cancellation, holding, relay, leaks."""

@@ -1,0 +1,510 @@
+"""Blocked acquirers wait in a queue in Redis and get freed permits handed over at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+import pytest
+import redis.asyncio
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreStatistics, recipes
+from aiosem._protocol import Step
+from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
+from aiosem._waiting import Waiter
+from tests.harness.faults import proxied_client
+from tests.harness.support import until_subscribed
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from tests.harness.proxy import TcpProxy
+    from tests.harness.support import FakeClock, RedisServer
+
+SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
+
+#: The most any wait in these tests may take before the test fails.
+BOUND = 10.0
+
+
+@pytest.fixture
+def make(cls: SemaphoreClass, client: redis.asyncio.Redis) -> Callable[..., Semaphore]:
+    """Semaphore objects on one name: each object stands for a process of its own."""
+
+    def make(limit: int = 1, **options: object) -> Semaphore:
+        return cls(client, "queue", limit, **options)  # type: ignore[arg-type]
+
+    return make
+
+
+async def wait_until_queued(sem: Semaphore, count: int) -> None:
+    with anyio.fail_after(BOUND):
+        while await sem.waiting() < count:  # noqa: ASYNC110 -- the state is in Redis: no event to wait on
+            await anyio.sleep(0.002)
+
+
+async def test_a_release_hands_the_permit_to_the_waiter(make: Callable[..., Semaphore]) -> None:
+    holder_side, waiter_side = make(), make()
+    held = await holder_side.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 1)
+        assert await holder_side.release(held)
+        # Handed over in the release's own step: nobody can slip in between.
+        assert await holder_side.acquire(blocking=False) is None
+    assert got[0] is not None
+    assert got[0].fencing_token > held.fencing_token
+    assert await holder_side.count() == 1
+    assert await holder_side.waiting() == 0
+
+
+async def test_waiters_are_served_in_arrival_order_across_processes(make: Callable[..., Semaphore]) -> None:
+    sides = [make(), make()]
+    held = await sides[0].acquire()
+    assert held is not None
+    served: list[int] = []
+
+    async def wait(number: int) -> None:
+        permit = await sides[number % 2].acquire()
+        assert permit is not None
+        served.append(number)
+        await sides[number % 2].release(permit)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tasks:
+            for number in range(10):
+                tasks.start_soon(wait, number)
+                await wait_until_queued(sides[0], number + 1)
+            await sides[0].release(held)
+    assert served == list(range(10))
+
+
+async def test_a_non_blocking_acquire_never_jumps_the_queue(
+    cls: SemaphoreClass, client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    holder_side = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    waiter_side = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    newcomer = cls(client, "queue", 1, timeout=10, clock=clock, waiter_timeout=10)
+    assert await holder_side.acquire() is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 1)
+        with anyio.fail_after(BOUND):
+            while not waiter_side._core.queue.queued():  # the waiter's task may not have read its reply yet
+                await anyio.lowlevel.checkpoint()
+        clock.advance(6)
+        await waiter_side._core.submit(Step.REFRESH, waiter_side._core.queue.queued())  # its heartbeat, on this clock
+        clock.advance(5)  # the holder's lease ran out: no event tells anyone
+        assert await newcomer.acquire(blocking=False) is None
+    assert got[0] is not None
+
+
+async def test_a_lease_running_out_wakes_the_waiter(cls: SemaphoreClass, redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    crashed = cls(client, f"expiry-{cls.__name__}", 1, timeout=1.0)
+    waiter_side = cls(client, f"expiry-{cls.__name__}", 1, timeout=1.0)
+    assert await crashed.acquire() is not None  # never released
+    started = anyio.current_time()
+    with anyio.fail_after(BOUND):
+        permit = await waiter_side.acquire()
+    assert permit is not None
+    assert 0.9 <= anyio.current_time() - started < 1.0 + 1.0
+    await waiter_side.release(permit)
+    await client.aclose()
+
+
+async def test_a_queued_waiter_is_re_checked_when_the_earliest_lease_ends(make: Callable[..., Semaphore]) -> None:
+    # No event says that a lease ran out: the waiter's process looks then.
+    holder_side, waiter_side = make(timeout=10), make(timeout=10)
+    assert await holder_side.acquire() is not None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waiter_side.acquire)
+        await wait_until_queued(holder_side, 1)
+        # Redis may say "queued" before the waiter's task has read its reply; and
+        # the subscription, once confirmed, has the waiter re-checked at once first.
+        with anyio.fail_after(BOUND):
+            while (recheck_at := waiter_side._core.queue.recheck_at) is None or recheck_at - anyio.current_time() < 1:
+                await anyio.lowlevel.checkpoint()
+        assert 9 < recheck_at - anyio.current_time() <= 10.01
+        tasks.cancel_scope.cancel()
+
+
+async def test_a_dead_waiter_holds_the_line_for_no_longer_than_its_waiter_timeout(
+    cls: SemaphoreClass, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    name = f"dead-{cls.__name__}"
+    holder_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    dead_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    live_side = cls(client, name, 1, timeout=10, waiter_timeout=0.5)
+    held = await holder_side.acquire()
+    assert held is not None
+    # A waiter whose process is gone: queued by hand, never proving it is alive.
+    dead = dead_side._process + ".deadbeefdeadbeef"
+    await dead_side._core.submit(Step.WAIT, (dead,))
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await live_side.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(holder_side, 2)
+        released_at = anyio.current_time()
+        await holder_side.release(held)  # handed to the dead waiter first
+        with anyio.fail_after(BOUND):
+            while not got:  # noqa: ASYNC110 -- the waiter's own task appends it
+                await anyio.sleep(0.01)
+    assert got[0] is not None
+    assert anyio.current_time() - released_at < 0.5 + 0.5
+    await client.aclose()
+
+
+async def test_a_dead_waiter_leaves_the_queue_after_its_waiter_timeout(make: Callable[..., Semaphore]) -> None:
+    sem = make(waiter_timeout=0.2)
+    assert await sem.acquire() is not None
+    await sem._core.submit(Step.WAIT, ("0123456789abcdef.0123456789abcdef",))
+    assert await sem.waiting() == 1
+    await anyio.sleep(0.3)
+    assert await sem.waiting() == 0
+
+
+async def test_waiters_wake_without_pub_sub(cls: SemaphoreClass, fresh_redis_server: RedisServer) -> None:
+    # A user who may not subscribe (no channels in its ACL) still gets permits,
+    # from the re-check that runs when the holder's lease ends.
+    admin = fresh_redis_server.admin_client()
+    await admin.acl_setuser("nochannels", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+    client = fresh_redis_server.client(username="nochannels", password="pw")
+    holder_side = cls(client, "quiet", 1, timeout=0.5)
+    waiter_side = cls(client, "quiet", 1, timeout=0.5)
+    assert await holder_side.acquire() is not None
+    with anyio.fail_after(BOUND):
+        assert await waiter_side.acquire() is not None
+    await client.aclose()
+    await admin.aclose()
+
+
+async def test_fair_and_locked_waiters_share_one_queue(client: redis.asyncio.Redis) -> None:
+    fair = AsyncFairSemaphore(client, "mixed", 1)
+    locked = AsyncLockedSemaphore(client, "mixed", 1)
+    held = await fair.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await locked.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(fair, 1)
+        await fair.release(held)
+    assert got[0] is not None
+
+
+async def test_a_recipe_release_hands_over_to_a_waiter(
+    make: Callable[..., Semaphore], client: redis.asyncio.Redis
+) -> None:
+    sem = make()
+    identifier = await recipes.acquire_fair_semaphore(client, sem.key, 1)
+    assert identifier is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await sem.acquire())
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(wait)
+        await wait_until_queued(sem, 1)
+        assert await recipes.release_fair_semaphore(client, sem.key, identifier)
+    assert got[0] is not None
+
+
+async def test_holders_lists_identifiers_with_their_remaining_lease(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=2, timeout=30)
+    first, second = await sem.acquire(), await sem.acquire()
+    assert first is not None
+    assert second is not None
+    holders = await sem.holders()
+    assert set(holders) == {first.identifier, second.identifier}
+    assert all(25 < remaining <= 30 for remaining in holders.values())
+
+
+async def test_statistics_is_a_frozen_snapshot(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=2)
+    permit = await sem.acquire()
+    assert permit is not None
+    statistics = sem.statistics()
+    assert statistics == SemaphoreStatistics(name="queue", limit=2, holders=1, waiting=0, local_waiters=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        statistics.holders = 5  # type: ignore[misc]
+
+
+async def test_statistics_counts_this_processes_waiters(make: Callable[..., Semaphore]) -> None:
+    sem = make()
+    held = await sem.acquire()
+    assert held is not None
+    async with anyio.create_task_group() as tasks:
+        for _ in range(3):
+            tasks.start_soon(sem.acquire)
+        await wait_until_queued(sem, 3)
+        assert sem.statistics().local_waiters == 3
+        assert sem.statistics().waiting == 3
+        tasks.cancel_scope.cancel()
+    assert sem.statistics().local_waiters == 0
+    assert await sem.waiting() == 0
+
+
+@pytest.mark.slow
+async def test_a_thousand_waiters_use_a_bounded_number_of_connections(
+    cls: SemaphoreClass, redis_server: RedisServer
+) -> None:
+    client = redis_server.client(client_name="thousand")
+    admin = redis_server.admin_client()
+    sem = cls(client, f"thousand-{cls.__name__}", 1)
+    held = await sem.acquire()
+    assert held is not None
+    async with anyio.create_task_group() as tasks:
+        for _ in range(1000):
+            tasks.start_soon(sem.acquire)
+        await wait_until_queued(sem, 1000)
+        connections = [c for c in await admin.client_list() if c["name"] == "thousand"]
+        assert len(connections) <= 8, connections
+        tasks.cancel_scope.cancel()
+    assert await sem.waiting() == 0
+    await sem.release(held)
+    await client.aclose()
+    await admin.aclose()
+
+
+async def test_a_stream_of_claims_does_not_starve_the_heartbeat(
+    make: Callable[..., Semaphore], caplog: pytest.LogCaptureFixture
+) -> None:
+    holder_side, waiter_side = make(waiter_timeout=0.8), make(waiter_timeout=0.8)
+    assert await holder_side.acquire() is not None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waiter_side.acquire)
+        await wait_until_queued(holder_side, 1)
+        # Claims arriving without pause for three waiter timeouts: the queued
+        # waiter must still be proven alive, not dropped and queued again.
+        end = anyio.current_time() + 2.4
+        while anyio.current_time() < end:
+            # A permit returned already, to claim: as one handed over by message.
+            claim = Waiter(f"{waiter_side._process}.0000000000000000", asyncio.get_running_loop().create_future())
+            claim.future.set_result(1)
+            waiter_side._core.queue._hand_over(claim)
+            await anyio.lowlevel.checkpoint()
+        assert await holder_side.waiting() == 1
+        tasks.cancel_scope.cancel()
+    assert "lost their place" not in caplog.text
+
+
+@pytest.fixture
+async def proxied_waiter_client(proxy: TcpProxy) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client through the proxy with one connection for commands and one for pub/sub."""
+    pool = redis.asyncio.BlockingConnectionPool(host=proxy.host, port=proxy.port, max_connections=2)
+    client = redis.asyncio.Redis(connection_pool=pool)
+    yield client
+    await client.aclose()
+    await pool.aclose()
+
+
+async def handed_over(
+    name: str, waiter_side_client: redis.asyncio.Redis, direct: redis.asyncio.Redis, proxy: TcpProxy
+) -> tuple[AsyncFairSemaphore, AsyncFairSemaphore, Permit]:
+    """A permit handed from one process to another, whose claim the proxy holds."""
+    holder_side = AsyncFairSemaphore(direct, name, 1, timeout=10, waiter_timeout=0.5)
+    waiter_side = AsyncFairSemaphore(waiter_side_client, name, 1, timeout=10, waiter_timeout=0.5)
+    held = await holder_side.acquire()
+    assert held is not None
+    got: list[Permit | None] = []
+
+    async def wait() -> None:
+        got.append(await waiter_side.acquire())
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(wait)
+            await wait_until_queued(holder_side, 1)
+            await until_subscribed(waiter_side)  # the grant comes by message
+            proxy.hold_requests(at=FAIR_REFRESH.sha.encode())  # every claim and heartbeat from now on
+            assert await holder_side.release(held)
+    assert got[0] is not None
+    return holder_side, waiter_side, got[0]
+
+
+async def test_a_permit_handed_over_returns_before_its_claim_and_the_claim_restarts_its_lease(
+    proxy: TcpProxy, proxied_waiter_client: redis.asyncio.Redis, real_client: redis.asyncio.Redis
+) -> None:
+    holder_side, _, permit = await handed_over("claimed", proxied_waiter_client, real_client, proxy)
+    # Returned on the message alone: the permit still has its hand-off lease.
+    assert 0 < (await holder_side.holders())[permit.identifier] <= 0.5
+    with anyio.fail_after(BOUND):
+        await proxy.wait_until(lambda: proxy.held_requests > 0)
+    proxy.release_requests()
+    with anyio.fail_after(BOUND):
+        while (await holder_side.holders())[permit.identifier] <= 0.5:  # noqa: ASYNC110 -- the lease is in Redis
+            await anyio.sleep(0.002)
+    assert (await holder_side.holders())[permit.identifier] > 9
+
+
+async def test_a_claim_that_lands_after_the_waiter_timeout_finds_the_permit_lost(
+    proxy: TcpProxy,
+    proxied_waiter_client: redis.asyncio.Redis,
+    real_client: redis.asyncio.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    holder_side, waiter_side, permit = await handed_over("late-claim", proxied_waiter_client, real_client, proxy)
+    with anyio.fail_after(BOUND):
+        await proxy.wait_until(lambda: proxy.held_requests > 0)
+        # The process stalls past its waiter timeout: the hand-off lease runs out.
+        while await holder_side.count() > 0:  # noqa: ASYNC110 -- the lease is in Redis
+            await anyio.sleep(0.01)
+    proxy.release_requests()
+    with anyio.fail_after(BOUND):
+        while "lost before it was claimed" not in caplog.text:  # noqa: ASYNC110 -- logged by the pump
+            await anyio.sleep(0.002)
+    assert not await waiter_side.release(permit)
+
+
+async def test_the_queue_keys_outlive_the_waiter_with_the_longest_waiter_timeout(
+    cls: SemaphoreClass, client: redis.asyncio.Redis
+) -> None:
+    holder_side = cls(client, "queue", 1, timeout=30)
+    patient = cls(client, "queue", 1, timeout=30, waiter_timeout=20)
+    hasty = cls(client, "queue", 1, timeout=30, waiter_timeout=0.5)
+    assert await holder_side.acquire() is not None
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(patient.acquire)
+        await wait_until_queued(holder_side, 1)
+        tasks.start_soon(hasty.acquire)
+        await wait_until_queued(holder_side, 2)
+        for suffix in ("queue", "waiters", "tickets"):
+            assert 20_000 < await client.pttl(f"{holder_side.key}:{suffix}") <= 21_000, suffix
+        tasks.cancel_scope.cancel()
+
+
+async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
+    redis_server: RedisServer, proxy: TcpProxy, admin_client: redis.asyncio.Redis
+) -> None:
+    # The queue forgot a waiter (its keys evicted, say): its object queues it
+    # again -- and, that step's reply still on its way, another process hands
+    # it the freed permit by message. The reply then finds the waiter holding:
+    # the permit is its own, not an abandoned grant to give back. (The fair
+    # class: a Lua-free step holds its lock meanwhile, and nobody could hand
+    # anything over.)
+    await admin_client.flushdb()
+    client = proxied_client(proxy, redis_server)
+    other = AsyncFairSemaphore(admin_client, "requeued", 1, waiter_timeout=0.3)
+    sem = AsyncFairSemaphore(client, "requeued", 1, waiter_timeout=0.3)
+    entered, leave = anyio.Event(), anyio.Event()
+    lost: list[BaseException] = []
+
+    async def hold() -> None:
+        try:
+            async with sem:
+                entered.set()
+                await leave.wait()
+        except BaseException as error:
+            lost.append(error)
+            raise
+
+    try:
+        warm = await sem.acquire()  # the scripts are loaded: no NOSCRIPT is held below
+        assert warm is not None
+        assert await sem.release(warm)
+        holder = await other.acquire()
+        assert holder is not None
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(hold)
+                await wait_until_queued(other, 1)
+                proxy.hold_replies(after=FAIR_ACQUIRE.sha.encode())  # the queueing again, answered late
+                await admin_client.delete(f"{sem.key}:queue", f"{sem.key}:waiters")
+                await wait_until_queued(other, 1)  # queued again by the next heartbeat's re-check
+                await until_subscribed(sem)
+                assert await other.release(holder)  # handed over, by message
+                await entered.wait()
+                proxy.release_replies()
+                await anyio.sleep(0.3)  # the reply is read, and the pump's next round runs
+                assert await other.count() == 1
+                assert await other.acquire(blocking=False) is None
+                leave.set()
+        assert not lost
+        assert await other.count() == 0
+    finally:
+        proxy.release_replies()
+        await sem.aclose()
+        await other.aclose()
+        await client.aclose()
+
+
+async def test_a_grant_heard_after_a_stall_past_the_waiter_timeout_is_claimed_before_it_is_returned(
+    cls: SemaphoreClass, redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    # Another process hands the waiter the permit, and the waiter's process
+    # stalls (its event loop blocked) past the waiter timeout the grant was
+    # stamped with: the grant may be gone by the time the message is read.
+    # The waiter returns only once its claim has answered -- here, with a
+    # permit of its own, queued again and granted at once -- and never with
+    # one already reaped, which would end its block with `PermitLost`.
+    await admin_client.flushdb()
+    waiter_client = redis_server.client()
+    other = cls(admin_client, "stalled-hand-off", 1, waiter_timeout=0.3)
+    sem = cls(waiter_client, "stalled-hand-off", 1, waiter_timeout=0.3)
+    outcome: list[object] = []
+
+    async def hold() -> None:
+        try:
+            async with sem as permit:
+                outcome.append(permit)
+        except PermitLost as lost:
+            outcome.append(lost)
+
+    def release_from_another_process(permit: Permit) -> None:
+        async def release() -> None:
+            client = redis_server.admin_client()
+            try:
+                assert await cls(client, "stalled-hand-off", 1, waiter_timeout=0.3).release(permit)
+            finally:
+                await client.aclose()
+
+        time.sleep(0.05)  # once the waiter's process has stalled
+        asyncio.run(release())
+
+    try:
+        holder = await other.acquire()
+        assert holder is not None
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(hold)
+                await wait_until_queued(other, 1)
+                await until_subscribed(sem)
+                releasing = threading.Thread(target=release_from_another_process, args=(holder,))
+                releasing.start()
+                # The waiter's process stalls; meanwhile the permit is handed to it, by message.
+                time.sleep(0.6)  # noqa: ASYNC251 -- the fault, on purpose
+                releasing.join()
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], Permit)
+        assert await other.count() == 0
+    finally:
+        await sem.aclose()
+        await other.aclose()
+        await waiter_client.aclose()

@@ -1,0 +1,647 @@
+"""``python -m aiosem status`` and ``reset``, against real ``redis-server`` processes.
+
+The command line runs in-process through `main` (in a worker thread when the
+test's own event loop holds permits: `main` runs an event loop of its own),
+and as a user runs it, as ``python -m aiosem``, where the whole process's
+output matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import secrets
+import string
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+import redis.asyncio
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, PermitLost
+from aiosem.__main__ import _describe, main, redact
+from aiosem._keys import SemaphoreKeys
+from aiosem._status import name_of
+from tests.harness.support import FakeClock, until_queued
+
+if TYPE_CHECKING:
+    from tests.harness.support import RedisServer
+    from tests.harness.topology import RedisClusterGroup
+
+Semaphore = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
+PASSWORD = "hunter2-Secret"
+
+
+def unique(stem: str) -> str:
+    return f"{stem}-{secrets.token_hex(4)}"
+
+
+async def cli(*argv: str) -> int:
+    """Run the command line in a worker thread: it runs an event loop of its own."""
+    return await anyio.to_thread.run_sync(main, list(argv))
+
+
+async def status_of(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> dict[str, Any]:
+    assert await cli("status", "--url", url, "--json", *argv) == 0
+    document: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return document
+
+
+async def one_status(capsys: pytest.CaptureFixture[str], url: str, name: str, *argv: str) -> dict[str, Any]:
+    (entry,) = (await status_of(capsys, url, name, *argv))["semaphores"]
+    assert entry["name"] == name
+    return entry  # type: ignore[no-any-return]
+
+
+def table_row(output: str, name: str) -> list[str]:
+    """The cells of the summary table's row of ``name``."""
+    line = next(line for line in output.splitlines() if f" {name} " in line)
+    return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+class Terminal(io.StringIO):
+    """Standard input as a person at a terminal types it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+# --- status --------------------------------------------------------------------
+
+
+async def test_status_shows_limit_holders_tokens_and_waiters(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("held")
+    semaphore = cls(real_client, name, 2)
+    first, second = await semaphore.acquire(), await semaphore.acquire()
+    assert first is not None
+    assert second is not None
+    waiting = asyncio.create_task(semaphore.acquire(blocking_timeout=30))
+    try:
+        await until_queued(semaphore)
+        entry = await one_status(capsys, redis_server.url, name)
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await semaphore.release(first)
+        await semaphore.release(second)
+        await semaphore.aclose()
+    assert entry["exists"] is True
+    assert entry["key"] == semaphore.key
+    assert entry["limit"] == 2
+    assert entry["held"] == 2
+    assert [(h["identifier"], h["fencing_token"]) for h in entry["holders"]] == [
+        (first.identifier, first.fencing_token),
+        (second.identifier, second.fencing_token),
+    ]
+    assert entry["last_token"] == second.fencing_token
+    assert entry["waiting"] == 1
+    assert len(entry["waiters"]) == 1
+    for holder in entry["holders"]:
+        assert holder["expired"] is False
+        assert 0 <= holder["age"] < 5
+        assert 5 < holder["remaining"] <= 10
+        assert holder["age"] + holder["remaining"] == pytest.approx(10, abs=1e-5)
+
+
+async def test_the_remaining_lease_is_computed_with_the_timeout_given(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("lease")
+    semaphore = AsyncFairSemaphore(real_client, name, 1, timeout=30)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        (holder,) = (await one_status(capsys, redis_server.url, name, "--timeout", "30"))["holders"]
+        (default,) = (await one_status(capsys, redis_server.url, name))["holders"]
+    finally:
+        await semaphore.release(permit)
+    assert 25 < holder["remaining"] <= 30
+    assert 5 < default["remaining"] <= 10
+
+
+async def test_a_lease_that_ran_out_is_shown_expired_and_not_counted(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("expired")
+    # Granted on a clock 100 s behind the server's: its 10 s lease ran out
+    # long ago, and nothing has reaped it yet.
+    semaphore = AsyncFairSemaphore(real_client, name, 1, clock=FakeClock(time.time() - 100))
+    assert await semaphore.acquire() is not None
+    entry = await one_status(capsys, redis_server.url, name)
+    assert entry["held"] == 0
+    (holder,) = entry["holders"]
+    assert holder["expired"] is True
+    assert holder["remaining"] < -80
+    assert await cli("status", "--url", redis_server.url, name) == 0
+    assert table_row(capsys.readouterr().out, name)[2] == "0 (+1 expired)"
+
+
+async def test_waiters_presumed_dead_are_not_counted(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("dead-waiter")
+    keys = SemaphoreKeys.for_name("aiosem", name)
+    now = time.time()
+    await real_client.zadd(keys.queue, {"dead.1": 1, "live.2": 2})
+    await real_client.zadd(keys.waiters, {"dead.1": now - 1, "live.2": now + 60})
+    entry = await one_status(capsys, redis_server.url, name)
+    assert entry["waiting"] == 1
+    assert entry["waiters"] == [{"identifier": "live.2", "ticket": 2}]
+
+
+async def test_the_rate_limiter_of_the_same_name_is_shown(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("rate")
+    limiter = AsyncRateLimiter(real_client, name, 1, per=10)
+    assert await limiter.acquire()
+    entry = await one_status(capsys, redis_server.url, name)
+    assert entry["exists"] is True
+    assert entry["holders"] == []
+    assert 5 < entry["rate"]["ahead"] <= 10
+    assert await cli("status", "--url", redis_server.url, name) == 0
+    assert table_row(capsys.readouterr().out, name)[5].endswith(" s")
+
+
+async def test_a_stuck_step_lock_is_shown(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("lock")
+    await real_client.set(SemaphoreKeys.for_name("aiosem", name).lock, "someone", px=60_000)
+    entry = await one_status(capsys, redis_server.url, name)
+    assert 50 < entry["lock"]["expires_in"] <= 60
+
+
+async def test_status_reads_a_resp3_connection_alike(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("resp3")
+    semaphore = AsyncFairSemaphore(real_client, name, 3)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        resp2 = await one_status(capsys, redis_server.url, name)
+        resp3 = await one_status(capsys, f"{redis_server.url}?protocol=3", name)
+    finally:
+        await semaphore.release(permit)
+    for entry in (resp2, resp3):
+        assert [(h["identifier"], h["fencing_token"]) for h in entry["holders"]] == [
+            (permit.identifier, permit.fencing_token)
+        ]
+        assert (entry["limit"], entry["last_token"]) == (3, permit.fencing_token)
+
+
+async def test_the_table_shows_each_semaphore_with_its_holder_count(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("table")
+    semaphore = AsyncFairSemaphore(real_client, name, 3)
+    permits = [await semaphore.acquire() for _ in range(2)]
+    try:
+        assert await cli("status", "--url", redis_server.url, name) == 0
+    finally:
+        for permit in permits:
+            assert permit is not None
+            await semaphore.release(permit)
+    output = capsys.readouterr().out
+    # name, limit, held, waiting, last token, rate ahead, lock
+    last = max(permit.fencing_token for permit in permits if permit is not None)
+    assert table_row(output, name) == [name, "3", "2", "0", str(last), "-", "-"]
+    assert f"holders of '{name}'" in output
+    assert "remaining = last confirmation + 10 s (--timeout) - now" in output
+
+
+def test_the_table_without_rich_says_how_to_get_it(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "rich", None)
+    assert main(["status", "--url", redis_server.url]) == 2
+    assert "pip install 'aiosem[cli]', or pass --json" in capsys.readouterr().err
+
+
+async def test_names_round_trip_through_their_escaped_keys(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = unique("names")
+    names = ["a {b} }{ c", "ünïcödé 名前", "with  spaces ", "%7B not a brace %", "*?[glob]\\"]
+    for name in names:
+        semaphore = AsyncFairSemaphore(real_client, name, 1, prefix=prefix)
+        assert await semaphore.acquire() is not None
+    listed = (await status_of(capsys, redis_server.url, "--prefix", prefix))["semaphores"]
+    assert [entry["name"] for entry in listed] == sorted(names)
+    assert all(entry["held"] == 1 for entry in listed)
+
+
+async def test_without_names_every_semaphore_under_the_prefix_is_listed_and_no_other(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stem = unique("scan")
+    # A glob would take the brackets of the first prefix for a class matching the second.
+    prefix, neighbour = f"{stem}[1]", f"{stem}1"
+    for name, where in [("one", prefix), ("two", prefix), ("other", neighbour), ("default", "aiosem")]:
+        semaphore = AsyncFairSemaphore(real_client, f"{name}-{stem}", 1, prefix=where)
+        assert await semaphore.acquire() is not None
+    await real_client.set(f"{prefix}:{{unrelated}}:data", "not a semaphore's key")
+    listed = (await status_of(capsys, redis_server.url, "--prefix", prefix))["semaphores"]
+    assert [entry["name"] for entry in listed] == [f"one-{stem}", f"two-{stem}"]
+
+
+async def test_with_nothing_under_the_prefix_status_lists_nothing(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = unique("empty")
+    assert (await status_of(capsys, redis_server.url, "--prefix", prefix))["semaphores"] == []
+    assert await cli("status", "--url", redis_server.url, "--prefix", prefix) == 0
+    assert f"no semaphores under prefix '{prefix}'" in capsys.readouterr().out
+
+
+async def test_status_scans_every_primary_of_a_cluster(
+    cluster_client: redis.asyncio.RedisCluster, redis_cluster: RedisClusterGroup, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = unique("cluster")
+    by_node: dict[int, list[str]] = {}
+    for index in range(300):  # the tag is the name: the same nodes every run
+        name = f"spread-{index}"
+        node = redis_cluster.node_for_slot(key_slot(SemaphoreKeys.for_name(prefix, name).base.encode()))
+        by_node.setdefault(node.port, []).append(name)
+    assert len(by_node) == 3
+    names = sorted(name for on_one_node in by_node.values() for name in on_one_node[:2])
+    for name in names:
+        semaphore = AsyncFairSemaphore(cluster_client, name, 2, prefix=prefix)
+        assert await semaphore.acquire() is not None
+        await semaphore.aclose()
+    listed = (await status_of(capsys, redis_cluster.url, "--prefix", prefix))["semaphores"]
+    assert [(entry["name"], entry["held"]) for entry in listed] == [(name, 1) for name in names]
+
+
+async def test_a_named_semaphore_that_does_not_exist_exits_1(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("missing")
+    assert await cli("status", "--url", redis_server.url, "--json", name) == 1
+    captured = capsys.readouterr()
+    (entry,) = json.loads(captured.out)["semaphores"]
+    assert entry["exists"] is False
+    assert f"no semaphore '{name}' under prefix 'aiosem'" in captured.err
+
+
+# --- URLs and passwords --------------------------------------------------------
+
+
+def test_without_a_url_status_exits_2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOSEM_REDIS_URL", raising=False)
+    assert main(["status"]) == 2
+    assert "no Redis URL: pass --url or set AIOSEM_REDIS_URL" in capsys.readouterr().err
+
+
+def test_the_url_comes_from_the_environment(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOSEM_REDIS_URL", redis_server.url)
+    assert main(["status", "--json", "--prefix", unique("env")]) == 0
+    assert json.loads(capsys.readouterr().out)["semaphores"] == []
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("memory://", "memory:// is a store inside one process"),
+        ("localhost:6379", "localhost:6379 is not a Redis URL: one starts with redis://, rediss://, unix://"),
+    ],
+)
+def test_only_a_redis_url_is_accepted(url: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--url", url]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://user:hunter2@host:6380/0", "redis://user:***@host:6380/0"),
+        ("redis://:hunter2@host/0", "redis://:***@host/0"),
+        ("redis://host:6379/0", "redis://host:6379/0"),
+        ("rediss://user:hunter2@[::1]:6380/0", "rediss://user:***@[::1]:6380/0"),
+        ("unix://user:hunter2@/run/redis.sock?db=2", "unix://user:***@/run/redis.sock?db=2"),
+        (
+            "redis+cluster://app:hunter2@10.0.0.1:7000,10.0.0.2:7001/0",
+            "redis+cluster://app:***@10.0.0.1:7000,10.0.0.2:7001/0",
+        ),
+        (
+            "redis+sentinel://:hunter2@s1:26379,s2/mymaster/2?socket_timeout=4&sentinel_password=hunter3",
+            "redis+sentinel://:***@s1:26379,s2/mymaster/2?socket_timeout=4&sentinel_password=***",
+        ),
+        ("redis://host/0?password=hunter2&db=1", "redis://host/0?password=***"),
+        ("redis://hunter2@host/0", "redis://***@host/0"),
+        ("redis://user:hun@ter2@host/0", "redis://user:***@host/0"),
+        ("redis://user:hun/ter2@host/0", "redis://***"),
+        ("redis://host/0?client_name=a@b", "redis://***"),
+        ("user:hunter2@host:6379", "user:***@host:6379"),
+        ("redis://:hunter2@host:port", "redis://:***@host:port"),
+    ],
+)
+def test_redact_hides_every_password(url: str, shown: str) -> None:
+    assert redact(url) == shown
+
+
+#: Passwords whose every second character is an upper-case letter, which no
+#: other part of the URLs below has: any piece of one shown has one.
+passwords = st.lists(
+    st.tuples(st.sampled_from(["", *string.punctuation, " ", "é"]), st.sampled_from(string.ascii_uppercase)),
+    min_size=1,
+).map(lambda pairs: "".join(a + b for a, b in pairs))
+
+
+@given(passwords)
+@pytest.mark.parametrize(
+    "template",
+    [
+        "redis://user:{}@host:6379/0",
+        "rediss://:{}@host/0?ssl_cert_reqs=none",
+        "unix://user:{}@/run/redis.sock?db=2",
+        "redis+cluster://app:{}@10.0.0.1:7000,10.0.0.2:7001/0?socket_timeout=3",
+        "redis+sentinel://app:{0}@s1:26379,s2/mymaster/2?sentinel_password={0}",
+        "redis+sentinel://s1:26379/mymaster?sentinel_password={}&socket_timeout=4",
+        "redis://host/0?db=1&password={}",
+    ],
+)
+def test_redact_shows_no_part_of_any_password(template: str, password: str) -> None:
+    assert not set(redact(template.format(password))) & set(string.ascii_uppercase)
+
+
+async def test_a_password_is_never_printed(fresh_redis_server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
+    admin = fresh_redis_server.admin_client()
+    name = unique("auth")
+    try:
+        semaphore = AsyncFairSemaphore(admin, name, 1)
+        assert await semaphore.acquire() is not None
+        await admin.config_set("requirepass", PASSWORD)
+    finally:
+        await admin.aclose()
+    url = f"redis://default:{PASSWORD}@{fresh_redis_server.host}:{fresh_redis_server.port}/0"
+    assert (await one_status(capsys, url, name))["held"] == 1
+    assert await cli("status", "--url", url, name) == 0
+    wrong = url.replace(PASSWORD, "wrong-Password")
+    assert await cli("status", "--url", wrong, name) == 3
+    assert await cli("reset", "--url", wrong, name, "--yes") == 3
+    captured = capsys.readouterr()
+    assert "redis://default:***@" in captured.err
+    for secret in (PASSWORD, "wrong-Password"):
+        assert secret not in captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "redis://user:{password}@127.0.0.1:{port}/0",
+        "redis+cluster://user:{password}@127.0.0.1:{port},127.0.0.1:{port}",
+        "redis+sentinel://user:{password}@127.0.0.1:{port}/mymaster?sentinel_password={password}",
+    ],
+    ids=["server", "cluster", "sentinel"],
+)
+def test_a_connection_failure_is_one_line_without_the_password(
+    template: str, refusing_port: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As redis-py did before CVE-2026-32597 was fixed; Sentinel's "No master
+    # found" shows each sentinel's client, and so its pool.
+    monkeypatch.setattr(
+        redis.asyncio.ConnectionPool,
+        "__repr__",
+        lambda pool: f"<redis.asyncio.connection.ConnectionPool({pool.connection_kwargs!r})>",
+    )
+    url = template.format(password=PASSWORD, port=refusing_port)
+    assert main(["status", "--url", url]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"aiosem status: error: Redis at {redact(url)}: ")
+    assert PASSWORD not in line
+    assert "<redis." not in line
+
+
+def test_an_error_that_quotes_a_password_shows_stars_instead() -> None:
+    url = "redis+sentinel://app:p%40ss@s1/mymaster?socket_timeout=1&sentinel_password=a+b%5C"
+    error = redis.ConnectionError("AUTH p@ss refused; sentinel {'password': 'a b\\\\'} refused")
+    assert _describe(error, url) == "AUTH *** refused; sentinel {'password': '***'} refused"
+
+
+def test_an_error_names_redis_py_objects_without_their_reprs() -> None:
+    error = redis.ConnectionError(
+        "No master found for 'm' : <redis.asyncio.client.Redis(<redis.asyncio.connection.ConnectionPool("
+        "<redis.asyncio.connection.Connection(host=s1,options=<object object at 0x1>)>)>)> - ConnectionError"
+    )
+    assert _describe(error, "redis+sentinel://s1/m") == "No master found for 'm' : Redis - ConnectionError"
+
+
+def test_an_ambiguous_url_is_refused_before_anything_quotes_a_piece_of_its_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # redis-py would take "/ter2@host" for the database, and say so.
+    assert main(["status", "--url", "redis://:hun/ter2@127.0.0.1/0"]) == 2
+    err = capsys.readouterr().err
+    assert "makes the URL ambiguous" in err
+    assert "hun" not in err
+    assert "ter2" not in err
+
+
+def test_a_user_meets_a_connection_failure_without_a_traceback_or_password(refusing_port: int) -> None:
+    url = f"redis://app:{PASSWORD}@127.0.0.1:{refusing_port}/0"
+    completed = subprocess.run(
+        [sys.executable, "-m", "aiosem", "status", "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 3
+    assert "Traceback" not in completed.stderr
+    assert PASSWORD not in completed.stdout + completed.stderr
+    assert f"redis://app:***@127.0.0.1:{refusing_port}/0" in completed.stderr
+
+
+# --- reset ---------------------------------------------------------------------
+
+
+async def test_reset_clears_permits_queue_limit_and_lock_and_keeps_the_counter(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("reset")
+    keys = SemaphoreKeys.for_name("aiosem", name)
+    semaphore = cls(real_client, name, 2)
+    permits = [await semaphore.acquire(), await semaphore.acquire()]
+    waiting = asyncio.create_task(semaphore.acquire(blocking_timeout=30))
+    try:
+        await until_queued(semaphore)
+        await real_client.set(keys.lock, "stuck", px=60_000)
+        assert await cli("reset", name, "--url", redis_server.url, "--yes") == 0
+        assert await real_client.exists(keys.timeout_set, keys.owner_set, keys.limit, keys.lock) == 0
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await semaphore.aclose()
+    assert permits[1] is not None
+    last = permits[1].fencing_token
+    assert f"deleted 2 permit(s), 1 waiter(s); the fencing counter stays at {last}" in capsys.readouterr().out
+    entry = await one_status(capsys, redis_server.url, name)
+    assert (entry["limit"], entry["held"], entry["last_token"], entry["lock"]) == (None, 0, last, None)
+    later = cls(real_client, name, 1)
+    permit = await later.acquire()
+    assert permit is not None
+    assert permit.fencing_token > permits[1].fencing_token
+    assert await later.release(permit)
+
+
+async def test_a_holder_finds_its_permit_lost_at_its_next_refresh_after_a_reset(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, cls: Semaphore
+) -> None:
+    name = unique("lost")
+    semaphore = cls(real_client, name, 1, timeout=10, refresh_interval=0.1)
+
+    async def hold_through_a_reset() -> None:
+        async with semaphore:
+            assert await cli("reset", name, "--url", redis_server.url, "--yes") == 0
+            await anyio.sleep_forever()  # cancelled when the refresh finds the permit gone
+
+    try:
+        with anyio.fail_after(10), pytest.raises(PermitLost):
+            await hold_through_a_reset()
+    finally:
+        await semaphore.aclose()
+
+
+async def test_reset_keeps_the_rate_limiter_unless_told(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("rate-reset")
+    limiter = AsyncRateLimiter(real_client, name, 1, per=60)
+    assert await limiter.acquire()
+    assert await cli("reset", name, "--url", redis_server.url, "--yes") == 0
+    assert not await limiter.try_acquire()
+    assert await cli("reset", name, "--url", redis_server.url, "--yes", "--rate") == 0
+    assert "and its rate limiter's state" in capsys.readouterr().out
+    assert await limiter.try_acquire()
+
+
+async def test_reset_of_a_semaphore_that_does_not_exist_exits_1(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("nothing")
+    assert await cli("reset", name, "--url", redis_server.url, "--yes") == 1
+    assert f"no semaphore '{name}' under prefix 'aiosem'" in capsys.readouterr().err
+
+
+async def test_reset_without_yes_refuses_when_nobody_can_confirm(
+    real_client: redis.asyncio.Redis,
+    redis_server: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = unique("no-tty")
+    semaphore = AsyncFairSemaphore(real_client, name, 1)
+    assert await semaphore.acquire() is not None
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{name}\n"))
+    assert await cli("reset", name, "--url", redis_server.url) == 2
+    assert "stdin is not a terminal, so the reset cannot be confirmed: pass --yes" in capsys.readouterr().err
+    assert await semaphore.count() == 1
+
+
+async def test_reset_is_confirmed_by_typing_the_name(
+    real_client: redis.asyncio.Redis,
+    redis_server: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = unique("typed")
+    semaphore = AsyncFairSemaphore(real_client, name, 1)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    monkeypatch.setattr(sys, "stdin", Terminal(f"{name}\n"))
+    assert await cli("reset", name, "--url", redis_server.url) == 0
+    output = capsys.readouterr().out
+    assert f"Resetting '{name}' (aiosem:{{{name}}}) deletes 1 permit(s), 0 waiter(s)" in output
+    assert f"its fencing counter stays (last token {permit.fencing_token})" in output
+    assert "Type the name to confirm: " in output
+    assert await semaphore.count() == 0
+
+
+async def test_reset_typed_with_another_name_deletes_nothing(
+    real_client: redis.asyncio.Redis,
+    redis_server: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = unique("mistyped")
+    semaphore = AsyncFairSemaphore(real_client, name, 1)
+    assert await semaphore.acquire() is not None
+    monkeypatch.setattr(sys, "stdin", Terminal("something else\n"))
+    assert await cli("reset", name, "--url", redis_server.url) == 1
+    assert "not confirmed; nothing was deleted" in capsys.readouterr().err
+    assert await semaphore.count() == 1
+
+
+def test_a_bad_argument_exits_2_as_argparse_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--timeout", "0"])
+    assert exited.value.code == 2
+    assert "--timeout must be a positive, finite number of seconds, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["reset", "x", "--prefix", "a{b"])
+    assert "prefix must not contain '{' or '}'" in capsys.readouterr().err
+
+
+# --- as a user runs it ---------------------------------------------------------
+
+
+async def test_python_m_aiosem_status_prints_json_a_program_can_read(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer
+) -> None:
+    name = unique("subprocess")
+    semaphore = AsyncLockedSemaphore(real_client, name, 4)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        completed = await anyio.run_process(
+            [sys.executable, "-m", "aiosem", "status", name, "--url", redis_server.url, "--json"], check=False
+        )
+    finally:
+        await semaphore.release(permit)
+    assert completed.returncode == 0, completed.stderr
+    document = json.loads(completed.stdout)
+    assert document["prefix"] == "aiosem"
+    assert document["timeout"] == 10
+    (entry,) = document["semaphores"]
+    assert (entry["limit"], entry["held"]) == (4, 1)
+    assert entry["holders"][0]["identifier"] == permit.identifier
+
+
+# --- keys ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "aiosem:{db}:data",  # not a key aiosem writes
+        "aiosem:{db",  # no end to the tag
+        "aiosem:{}:counter",  # no name
+        "aiosem:{%7b}:counter",  # an escape aiosem does not write
+        "aiosem:{100%}:counter",  # an unescaped percent sign
+        "other:{db}:counter",
+        b"aiosem:{\xff}:counter",  # not UTF-8
+    ],
+)
+def test_only_keys_aiosem_writes_name_a_semaphore(key: str | bytes) -> None:
+    assert name_of(key, "aiosem") is None
+
+
+def test_every_key_of_a_semaphore_names_it() -> None:
+    keys = SemaphoreKeys.for_name("aiosem", "a {b}% c")
+    for key in (*keys.fair, keys.rate):
+        assert name_of(key.encode(), "aiosem") == "a {b}% c"

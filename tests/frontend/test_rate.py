@@ -1,0 +1,291 @@
+"""`AsyncRateLimiter`: GCRA in one script, slots in arrival order, one sleep per wait."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import fakeredis
+import pytest
+import redis.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiosem import AcquireTimeout, AsyncRateLimiter
+
+if TYPE_CHECKING:
+    from tests.harness.support import FakeClock
+
+#: The most any wait in these tests may take before the test fails.
+BOUND = 30.0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"rate": 0}, ValueError, "rate must be a positive, finite number, got 0"),
+        ({"rate": -1}, ValueError, "rate must be a positive"),
+        ({"rate": float("nan")}, ValueError, "rate must be a positive, finite number, got nan"),
+        ({"rate": float("inf")}, ValueError, "rate must be a positive"),
+        ({"rate": "5"}, TypeError, "rate must be a number, not str"),
+        ({"rate": True}, TypeError, "rate must be a number, not bool"),
+        ({"per": 0}, ValueError, "per must be a positive"),
+        ({"per": float("nan")}, ValueError, "per must be a positive"),
+        ({"burst": 0}, ValueError, "burst must be between 1 and"),
+        ({"burst": 1.5}, TypeError, "burst must be an int, not float"),
+        ({"blocking_timeout": -1}, ValueError, "blocking_timeout must not be negative"),
+        ({"name": ""}, ValueError, "name must not be empty"),
+        ({"prefix": "a{b"}, ValueError, "prefix must not contain"),
+        ({"clock": 3}, TypeError, "clock must be callable"),
+    ],
+)
+def test_bad_arguments_are_refused_with_their_name(
+    arguments: dict[str, object], error: type[Exception], message: str
+) -> None:
+    given_arguments: dict[str, object] = {"name": "api", "rate": 5, **arguments}
+    with pytest.raises(error, match=message):
+        AsyncRateLimiter(redis.asyncio.Redis(), **given_arguments)  # type: ignore[arg-type]
+
+
+def test_the_key_shares_the_hash_tag_of_the_semaphore_of_the_same_name() -> None:
+    limiter = AsyncRateLimiter(redis.asyncio.Redis(), "host{1}", 5)
+    assert limiter.key == "aiosem:{host%7B1%7D}:rate"
+    assert "rate=5, per=1, burst=1" in repr(limiter)
+
+
+async def test_an_idle_limiter_lets_burst_calls_through_then_spaces_them(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "api", 5, burst=3, clock=clock)
+    assert [await limiter.try_acquire() for _ in range(4)] == [True, True, True, False]
+    clock.advance(0.2)  # one emission interval: one more slot
+    assert [await limiter.try_acquire() for _ in range(2)] == [True, False]
+
+
+async def test_each_reservation_is_told_the_wait_for_the_next_slot_in_arrival_order(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "api", 10, clock=clock)  # a slot every 0.1 s
+    waits = [(await limiter._run("reserve", ""))[1] for _ in range(4)]
+    assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3])
+
+
+async def test_a_slot_further_than_the_blocking_timeout_is_not_reserved(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "api", 1, clock=clock)
+    assert await limiter.acquire()
+    before = await client.get(limiter.key)
+    assert not await limiter.acquire(blocking_timeout=0.5)
+    assert await client.get(limiter.key) == before
+    with pytest.raises(AcquireTimeout, match=r"^no slot of rate limiter 'api' within 0\.5 s$"):
+        async with AsyncRateLimiter(client, "api", 1, clock=clock, blocking_timeout=0.5):
+            pass
+
+
+async def test_acquire_sleeps_once_until_its_slot(client: redis.asyncio.Redis) -> None:
+    limiter = AsyncRateLimiter(client, "api", 20)  # a slot every 50 ms
+    started = anyio.current_time()
+    granted = []
+    with anyio.fail_after(BOUND):
+        for _ in range(5):
+            async with limiter:
+                granted.append(anyio.current_time() - started)
+    # A slot never comes early (the loop's clock only moves on).
+    for index, at in enumerate(granted):
+        assert at >= index * 0.05 - 0.005
+
+
+async def test_a_cancelled_wait_gives_its_slot_back(client: redis.asyncio.Redis, clock: FakeClock) -> None:
+    limiter = AsyncRateLimiter(client, "api", 1, clock=clock)
+    assert await limiter.acquire()
+    after_first = await client.get(limiter.key)
+    with anyio.move_on_after(0.2) as scope:
+        await limiter.acquire()  # its slot is 1 s away
+    assert scope.cancelled_caught
+    assert await client.get(limiter.key) == after_first
+
+
+async def test_a_cancelled_wait_keeps_the_slots_reserved_after_it(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "api", 1, clock=clock)
+    assert await limiter.acquire()
+    async with anyio.create_task_group() as tasks:
+        first = anyio.CancelScope()
+
+        async def wait_in(scope: anyio.CancelScope) -> None:
+            with scope:
+                await limiter.acquire()
+
+        tasks.start_soon(wait_in, first)
+        with anyio.fail_after(BOUND):
+            while int(await client.get(limiter.key) or 0) < int(clock() * 1e6) + 2_000_000:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        second_reserved = await limiter._run("reserve", "")  # the slot after the first waiter's
+        first.cancel()
+    # Somebody reserved after the cancelled waiter: its slot is not taken back.
+    assert int(await client.get(limiter.key) or 0) == second_reserved[2]
+
+
+async def test_the_key_expires_when_the_limiter_comes_to_rest(client: redis.asyncio.Redis) -> None:
+    limiter = AsyncRateLimiter(client, "idle", 10)
+    assert await limiter.try_acquire()
+    assert await client.pttl(limiter.key) <= 100  # at most one interval; gone already after a pause
+    with anyio.fail_after(BOUND):
+        while await client.exists(limiter.key):  # noqa: ASYNC110 -- the key's TTL runs on the server
+            await anyio.sleep(0.02)
+
+
+# --- the script against a model --------------------------------------------------
+
+
+@dataclass
+class Model:
+    """GCRA as a few lines of Python, in integer microseconds."""
+
+    interval: int
+    tolerance: int
+    tat: int = 0
+
+    def take(self, now: int, longest: int | None) -> tuple[bool, int]:
+        tat = max(self.tat if self.tat > now else 0, now)
+        wait = max(0, tat - self.tolerance - now)
+        if longest is not None and wait > longest:
+            return False, wait
+        self.tat = tat + self.interval
+        return True, wait
+
+
+operations = st.lists(
+    st.tuples(
+        st.integers(min_value=0, max_value=3_000_000),  # microseconds to advance first
+        st.sampled_from(["try", "reserve"]),
+        st.one_of(st.none(), st.integers(min_value=0, max_value=2_000_000)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rate=st.integers(min_value=1, max_value=50),
+    per=st.sampled_from([0.5, 1.0, 2.0]),
+    burst=st.integers(min_value=1, max_value=5),
+    steps=operations,
+)
+def test_the_script_matches_the_model(
+    rate: int, per: float, burst: int, steps: list[tuple[int, str, int | None]]
+) -> None:
+    async def run() -> None:
+        client = fakeredis.FakeAsyncRedis()
+        now = [1_700_000_000_000_000]
+        limiter = AsyncRateLimiter(client, "model", rate, per, burst=burst, clock=lambda: now[0] / 1e6)
+        interval = limiter._interval_us
+        model = Model(interval, (burst - 1) * interval)
+        for advance, mode, longest in steps:
+            now[0] += advance
+            argument = "" if mode == "try" or longest is None else str(longest)
+            granted, wait, _ = await limiter._run(mode, argument)
+            expected = model.take(now[0], 0 if mode == "try" else longest)
+            assert (granted, round(wait * 1e6)) == expected
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+# --- many processes ----------------------------------------------------------------
+
+RATE, BURST, SECONDS, WORKERS = 5, 1, 10.0, 4
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+    from aiosem import AsyncRateLimiter
+    from aiosem._urls import close, connect
+
+    async def main(url, start, until):
+        client = connect(url)
+        limiter = AsyncRateLimiter(client, "crawl", {rate}, burst={burst})
+        grants = []
+        async def loop():
+            while (left := until - time.perf_counter()) > 0:
+                if await limiter.acquire(blocking_timeout=left):
+                    grants.append(time.perf_counter())
+        await client.ping()
+        await asyncio.sleep(start - time.perf_counter())
+        await asyncio.gather(*(loop() for _ in range(3)))
+        print(json.dumps(grants))
+        await close(client)
+
+    asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
+    """
+).format(rate=RATE, burst=BURST)
+
+
+def check_windows(grants: list[float], started: float) -> None:
+    """No 1 s window holds more than rate + burst grants; the total is at most the ideal, and not far below it.
+
+    A slot nobody asks for in time is lost -- as on a machine so loaded that
+    every worker is between calls -- so only the upper bound is exact.
+    """
+    grants.sort()
+    most = max(sum(1 for other in grants[i:] if other < at + 1.0) for i, at in enumerate(grants))
+    assert most <= RATE + BURST, most
+    ideal = RATE * SECONDS + BURST
+    assert 0.9 * ideal <= len(grants) <= 1.02 * ideal, (len(grants), ideal)
+    assert grants[0] >= started
+
+
+@pytest.mark.slow
+async def test_four_processes_share_one_rate(topology_url: str) -> None:
+    # time.perf_counter and the event loop's clock are both CLOCK_MONOTONIC on Linux.
+    started = anyio.current_time() + 2.0  # the processes start before the window opens
+    workers = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            WORKER,
+            topology_url,
+            repr(started),
+            repr(started + SECONDS),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for _ in range(WORKERS)
+    ]
+    grants: list[float] = []
+    with anyio.fail_after(SECONDS + BOUND):
+        for worker in workers:
+            stdout, _ = await worker.communicate()
+            assert worker.returncode == 0
+            grants += json.loads(stdout)
+    check_windows(grants, started)
+
+
+@pytest.mark.slow
+async def test_four_clients_share_one_rate_on_fakeredis() -> None:
+    server = fakeredis.FakeServer()
+    clients = [fakeredis.FakeAsyncRedis(server=server) for _ in range(WORKERS)]
+    started = anyio.current_time()
+    until = started + SECONDS
+    grants: list[float] = []
+
+    async def work(client: redis.asyncio.Redis) -> None:
+        limiter = AsyncRateLimiter(client, "crawl", RATE, burst=BURST)
+        while (left := until - anyio.current_time()) > 0:
+            if await limiter.acquire(blocking_timeout=left):
+                grants.append(anyio.current_time())
+
+    with anyio.fail_after(SECONDS + BOUND):
+        async with anyio.create_task_group() as tasks:
+            for client in clients:
+                for _ in range(3):
+                    tasks.start_soon(work, client)
+    check_windows(grants, started)
+    for client in clients:
+        await client.aclose()
