@@ -102,6 +102,7 @@ class Channel:
 
     async def _subscribe(self) -> None:
         semaphore = self._core.semaphore
+        settings = self._core.settings
         try:
             if self._unsubscribing is not None:
                 await asyncio.shield(self._unsubscribing)
@@ -113,7 +114,7 @@ class Channel:
                 "could not subscribe for %r; waiters will be slower to wake",
                 semaphore,
                 exc_info=True,
-                extra=log_fields(semaphore.name),
+                extra=log_fields(settings.name),
             )
         finally:
             self._subscribing = None

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
@@ -76,12 +78,27 @@ class Backend(Protocol):
         """Wait for what the backend still does in the background (the object is closing)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A semaphore object's settings, checked by its constructor: what its parts read at every step."""
+
+    name: str
+    limit: int
+    #: The lease, in seconds.
+    timeout: float
+    waiter_ttl: float
+    refresh_interval: float
+    replicas: int
+    clock: Callable[[], float] | None
+
+
 class Core:
     """The identity, the steps and the parts of one semaphore object (see the module's docstring)."""
 
     __slots__ = (
-        "_clock",
+        "_labels",
         "_lanes",
+        "_step_bound",
         "backend",
         "client",
         "holdings",
@@ -92,6 +109,7 @@ class Core:
         "queue",
         "relay",
         "semaphore",
+        "settings",
     )
 
     def __init__(
@@ -100,12 +118,16 @@ class Core:
         backend: Callable[[Core], Backend],
         client: Client,
         keys: SemaphoreKeys,
-        clock: Callable[[], float] | None,
+        settings: Settings,
     ) -> None:
         self.semaphore = semaphore
         self.client = client
         self.keys = keys
-        self._clock = clock
+        self.settings = settings
+        #: How long one step may take before it is presumed stalled, and what
+        #: each kind of step is called in the error that says so.
+        self._step_bound = step_bound(settings.timeout)
+        self._labels = {step: f"a {step.operation.value} step of semaphore {settings.name!r}" for step in Step}
         #: This object's identity in Redis: its waiters' identifiers and its
         #: channel begin with it.
         self.process = secrets.token_hex(8)
@@ -140,11 +162,12 @@ class Core:
 
     def now(self) -> float | None:
         """The time steps are to use: the semaphore's clock's, or ``None`` for the server's."""
-        return None if self._clock is None else check_now(self._clock(), "clock()")
+        clock = self.settings.clock
+        return None if clock is None else check_now(clock(), "clock()")
 
     def replicas_for(self, step: Step) -> int:
         """How many replicas a step must reach: acquires and refreshes wait for them, releases and counts do not."""
-        return self.semaphore.replicas if step.waits_for_replicas else 0
+        return self.settings.replicas if step.waits_for_replicas else 0
 
     async def submit(self, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> tuple[Sequence[int], Reply]:
         """Carry out ``step`` for ``identifiers``, with its other callers of the moment: results, and reply."""
@@ -157,7 +180,7 @@ class Core:
 
     async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
         """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""
-        semaphore = self.semaphore
+        settings = self.settings
         deadline: Deadline | None = None
         # A busy lock is held for a round trip or two; a step that backed off
         # as far as a polling waiter would lose it to every poller.
@@ -179,12 +202,12 @@ class Core:
                 break
             # A step that has to happen may wait out a busy lock for as long
             # as a lease: by then the answer is moot.
-            deadline = deadline or Deadline(semaphore.timeout)
+            deadline = deadline or Deadline(settings.timeout)
             if deadline.passed():
                 raise SemaphoreError(
-                    f"semaphore {semaphore.name!r} stayed busy for {semaphore.timeout:g} s;"
+                    f"semaphore {settings.name!r} stayed busy for {settings.timeout:g} s;"
                     f" {step.operation.value} not done",
-                    name=semaphore.name,
+                    name=settings.name,
                 )
             await backoff.pause(deadline)
         self.last = reply
@@ -202,30 +225,30 @@ class Core:
         failed is tried again too, a few times: its receipts tell what a try
         whose reply was lost did.
         """
-        name = self.semaphore.name
-
-        async def attempt() -> Reply | None:
-            backoff: Backoff | None = None  # made at the first failure: most steps never meet one
-            while True:
-                try:
-                    return await self.backend.execute(step, identifiers, call)
-                except redis.ConnectionError:  # noqa: PERF203 -- free until raised; the loop is for trying again
-                    backoff = backoff or Backoff(_RETRY_PAUSE * 2, first=_RETRY_PAUSE)
-                    if not call or backoff.failures >= _RELEASE_RETRIES:
-                        raise
-                    await backoff.pause()
-
-        what = f"a {step.operation.value} step of semaphore {name!r}"
+        name = self.settings.name
+        attempt = partial(self.backend.execute if not call else self._execute_release, step, identifiers, call)
         try:
             reply = await redirected(
-                self.client, attempt, bound=Bound(step_bound(self.semaphore.timeout), what, spent=spent)
+                self.client, attempt, bound=Bound(self._step_bound, self._labels[step], spent=spent)
             )
         except redis.exceptions.OutOfMemoryError as error:
             raise out_of_memory(error, name) from None  # one short traceback that names the semaphore
-        replicas = self.semaphore.replicas
+        replicas = self.settings.replicas
         if reply is not None and reply.replicated is not None and reply.replicated < replicas:
             raise NotReplicated(name=name, replicas=replicas, acknowledged=reply.replicated)
         return reply
+
+    async def _execute_release(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
+        """`Backend.execute` for a release with a call id, tried again a few times if its connection fails."""
+        backoff: Backoff | None = None  # made at the first failure: most steps never meet one
+        while True:
+            try:
+                return await self.backend.execute(step, identifiers, call)
+            except redis.ConnectionError:  # noqa: PERF203 -- free until raised; the loop is for trying again
+                backoff = backoff or Backoff(_RETRY_PAUSE * 2, first=_RETRY_PAUSE)
+                if backoff.failures >= _RELEASE_RETRIES:
+                    raise
+                await backoff.pause()
 
     async def holders(self) -> dict[str, float]:
         """The live holders' identifiers, each with the seconds left of its lease: see `_Semaphore.holders`."""
@@ -242,12 +265,12 @@ class Core:
                 name="aiosem holders",
             )
         except redis.exceptions.OutOfMemoryError as error:
-            raise out_of_memory(error, self.semaphore.name) from None
+            raise out_of_memory(error, self.settings.name) from None
         now = self.now()
         if now is None:
             now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}
-        lease = self.semaphore.timeout
+        lease = self.settings.timeout
         return {
             member: remaining
             for member, score in scored(leases)
@@ -266,7 +289,7 @@ class Core:
         # Before the first await: the waiters failed here, ending, must find
         # the channel let go of already, and schedule nothing.
         subscribed = self.queue.channel.in_use
-        name = self.semaphore.name
+        name = self.settings.name
         background = self.queue.close(SemaphoreError(f"semaphore {name!r} was closed", name=name))
         if self.relay is not None:
             self.relay.close()  # its runs' waiters failed above

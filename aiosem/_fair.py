@@ -133,23 +133,23 @@ class ScriptedSteps:
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply:
         core = self._core
-        semaphore = core.semaphore
+        settings = core.settings
         return await fair_step(
             core.client,
             step,
             core.keys,
             identifiers,
             now=core.now(),
-            lease=semaphore.timeout,
-            limit=semaphore.limit,
-            waiter_ttl=semaphore.waiter_timeout,
+            lease=settings.timeout,
+            limit=settings.limit,
+            waiter_ttl=settings.waiter_ttl,
             caller=core.process,
             call=call,
             # A relayed permit's next holder is told before Redis is: with
             # replicas to wait for, every grant waits for them instead.
-            relays=not semaphore.replicas,
+            relays=not settings.replicas,
             replicas=core.replicas_for(step),
-            replication_timeout=semaphore.waiter_timeout,
+            replication_timeout=settings.waiter_ttl,
         )
 
     async def arrive(self, identifier: str) -> None:

@@ -204,7 +204,7 @@ class Holdings:
         self._core = core
         #: Permits kept alive, by identifier.
         self._holds: dict[str, Hold] = {}
-        self._backoff = Backoff(core.semaphore.refresh_interval, first=_RETRY_PAUSE)
+        self._backoff = Backoff(core.settings.refresh_interval, first=_RETRY_PAUSE)
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -265,7 +265,7 @@ class Holdings:
 
     def _next_round(self, hold: Hold) -> float:
         # A third of the lease still unproven leaves two tries before it runs out.
-        return hold.confirmed_at + min(self._core.semaphore.refresh_interval, hold.lease / 3)
+        return hold.confirmed_at + min(self._core.settings.refresh_interval, hold.lease / 3)
 
     async def _refresh_round(self) -> float | None:
         """Refresh every hold in one step; return when the next round is due, if any.
@@ -298,7 +298,7 @@ class Holdings:
                 if relay is not None:
                     relay.confirm(identifier, sent)
                 else:
-                    hold.confirm(sent, self._core.semaphore.timeout)
+                    hold.confirm(sent, self._core.settings.timeout)
             elif relay is None or not relay.passing(identifier):  # else relayed to it, and not yet heard in Redis
                 self.lose(identifier, "a refresh found it gone: its lease ran out, or its keys were deleted")
         if not self._holds:
@@ -331,7 +331,7 @@ class Holdings:
                         "refreshing the permits held through %r failed; retrying",
                         self._core.semaphore,
                         exc_info=True,
-                        extra=log_fields(self._core.semaphore.name),
+                        extra=log_fields(self._core.settings.name),
                     )
             else:
                 return values

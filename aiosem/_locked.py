@@ -135,10 +135,8 @@ class WatchedSteps:
 
     def __init__(self, core: Core, lock_timeout: float) -> None:
         self._core = core
-        semaphore = core.semaphore
-        share_ms = max(
-            _SHORTEST_LOCK_MS, math.floor(min(semaphore.timeout, semaphore.waiter_timeout) * _LOCK_SHARE * 1000)
-        )
+        settings = core.settings
+        share_ms = max(_SHORTEST_LOCK_MS, math.floor(min(settings.timeout, settings.waiter_ttl) * _LOCK_SHARE * 1000))
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
         #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
         self._lock_seen_busy: set[Step] = set()
@@ -160,13 +158,13 @@ class WatchedSteps:
         # A waiter's place is taken when it arrives, before it meets the lock:
         # however long the lock keeps it, nobody who came later gets ahead.
         # The tickets of a process's concurrent arrivals are drawn together.
-        semaphore = self._core.semaphore
-        with Bound(step_bound(semaphore.timeout), f"drawing a ticket of semaphore {semaphore.name!r}"):
+        settings = self._core.settings
+        with Bound(step_bound(settings.timeout), f"drawing a ticket of semaphore {settings.name!r}"):
             try:
                 (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
             except redis.exceptions.OutOfMemoryError as error:
                 # As a step's refusal: redis-py's names the pipeline's command and key.
-                raise out_of_memory(error, semaphore.name) from None
+                raise out_of_memory(error, settings.name) from None
         self._tickets[identifier.encode()] = ticket
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
@@ -185,7 +183,7 @@ class WatchedSteps:
         must not let the tickets expire under another's waiters, or the next
         waiters would be queued ahead of them.
         """
-        tickets, queue_ms = self._core.keys.tickets, queue_ttl_ms(self._core.semaphore.waiter_timeout)
+        tickets, queue_ms = self._core.keys.tickets, queue_ttl_ms(self._core.settings.waiter_ttl)
         return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
 
     def forget(self, identifier: str) -> None:
@@ -237,7 +235,7 @@ class WatchedSteps:
         keys = self._core.keys
         # The queue is read only as far as a step can reach: its head, its
         # earliest presumed deaths, and the step's own identifiers.
-        window = self._core.semaphore.limit + len(members) + _QUEUE_WINDOW
+        window = self._core.settings.limit + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
             ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
@@ -275,9 +273,9 @@ class WatchedSteps:
         return ReadState(
             keys,
             now=now,
-            lease=self._core.semaphore.timeout,
-            limit=self._core.semaphore.limit,
-            waiter_ttl=self._core.semaphore.waiter_timeout,
+            lease=self._core.settings.timeout,
+            limit=self._core.settings.limit,
+            waiter_ttl=self._core.settings.waiter_ttl,
             caller=self._core.process,
             publish=publish_command(self._core.client),
             leases=_parse_zset(connection, replies[2]),
@@ -295,7 +293,7 @@ class WatchedSteps:
             # A copy: the plan reads what the step's own waiters were given.
             tickets={member: self._tickets[member] for member in members if member in self._tickets},
             receipt=keys.receipt(call) if call else None,
-            receipt_seconds=step_bound(self._core.semaphore.timeout),
+            receipt_seconds=step_bound(self._core.settings.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
         )
 
@@ -349,7 +347,7 @@ class WatchedSteps:
         replicas = self._core.replicas_for(step)
         if replicas:
             # On the connection that wrote: WAIT counts its writes.
-            commit.append(("WAIT", replicas, max(1, math.ceil(self._core.semaphore.waiter_timeout * 1000))))
+            commit.append(("WAIT", replicas, max(1, math.ceil(self._core.settings.waiter_ttl * 1000))))
         replies = await connection.batch(*commit)
         if not replicas:
             return replies[-1], reply
@@ -394,14 +392,14 @@ class WatchedSteps:
                     self._core.semaphore,
                     self._lock_ms / 1000,
                     exc_info=True,
-                    extra=log_fields(self._core.semaphore.name),
+                    extra=log_fields(self._core.settings.name),
                 )
         if scope.cancelled_caught:
             logger.warning(
                 "could not free the step lock of %r within %g s; it expires by itself",
                 self._core.semaphore,
                 bound,
-                extra=log_fields(self._core.semaphore.name),
+                extra=log_fields(self._core.settings.name),
             )
 
 

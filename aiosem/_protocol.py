@@ -36,6 +36,10 @@ class Operation(enum.Enum):
     RELEASE = "release"
     REFRESH = "refresh"
 
+    # Members are singletons compared by identity: hashed by it too, in C (a
+    # step looks up its script, and its lane, by them).
+    __hash__ = object.__hash__
+
 
 class Step(enum.Enum):
     """One kind of step: an operation, and the mode it is run in (the scripts' ``ARGV[8]``).
@@ -62,23 +66,21 @@ class Step(enum.Enum):
     #: Restart the leases of holders, and prove waiters alive.
     REFRESH = (Operation.REFRESH, "")
 
-    @property
-    def operation(self) -> Operation:
-        return self.value[0]
+    __hash__ = object.__hash__
 
-    @property
-    def mode(self) -> str:
-        return self.value[1]
+    operation: Operation
+    mode: str
+    #: Whether a step of this kind waits for the replicas: acquires and refreshes, not releases or counts.
+    waits_for_replicas: bool
+    #: Whether a step of this kind leaves receipts: tried again, it answers what its first try did.
+    leaves_receipts: bool
 
-    @property
-    def waits_for_replicas(self) -> bool:
-        """Whether a step of this kind waits for the replicas: acquires and refreshes, not releases or counts."""
-        return self.operation is not Operation.RELEASE and self is not Step.COUNT
-
-    @property
-    def leaves_receipts(self) -> bool:
-        """Whether a step of this kind leaves receipts: tried again, it answers what its first try did."""
-        return self in (Step.RELEASE, Step.PASS)
+    def __init__(self, operation: Operation, mode: str) -> None:
+        # Plain attributes, set once: every step reads them.
+        self.operation = operation
+        self.mode = mode
+        self.waits_for_replicas = operation is not Operation.RELEASE and mode != "count"
+        self.leaves_receipts = operation is Operation.RELEASE and mode in ("release", "pass")
 
 
 # What a step answers for one identifier, besides a fencing token (> 0: held).

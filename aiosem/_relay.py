@@ -66,7 +66,7 @@ class Relay:
 
     def start(self, head: str, sent: float, run: Sequence[tuple[str, int]]) -> None:
         """A step sent at ``sent`` granted the mutex to ``head`` and formed the ``run`` behind it."""
-        self._leases[head] = (sent, self._core.semaphore.timeout)
+        self._leases[head] = (sent, self._core.settings.timeout)
         self._runs[head] = list(run)
         self._watch_runs()
 
@@ -114,7 +114,7 @@ class Relay:
 
         So does the lease its ``waiter`` returns with, if it has not yet.
         """
-        lease = self._core.semaphore.timeout
+        lease = self._core.settings.timeout
         if identifier in self._leases:
             self._leases[identifier] = (sent, lease)
         if waiter is not None:

@@ -30,7 +30,7 @@ from ._connection import (
     watch_eviction_policy,
 )
 from ._coordination import detached
-from ._core import Core
+from ._core import Core, Settings
 from ._exceptions import AcquireTimeout, LimitMismatch
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, emit_permit
@@ -131,14 +131,9 @@ class _Semaphore:
         "_client",
         "_core",
         "_keys",
-        "_limit",
-        "_name",
         "_on_lost",
         "_process",
-        "_refresh_interval",
-        "_replicas",
-        "_timeout",
-        "_waiter_ttl",
+        "_settings",
     )
 
     def __init__(
@@ -146,19 +141,20 @@ class _Semaphore:
     ) -> None:
         # Each public class takes ``**options`` and refuses unknown ones in its own name.
         check_cluster_support(check_client(client))
-        self._name = check_name(name)
-        self._limit = check_limit(limit)
-        self._timeout = check_timeout(options.get("timeout", DEFAULT_TIMEOUT))
+        name = check_name(name)
+        limit = check_limit(limit)
+        timeout = check_timeout(options.get("timeout", DEFAULT_TIMEOUT))
         self._blocking_timeout = check_wait(options.get("blocking_timeout"))
         self._keys = SemaphoreKeys.for_name(check_prefix(options.get("prefix", DEFAULT_PREFIX)), name)
         clock = check_callable(options.get("clock"), "clock")
-        self._waiter_ttl, self._refresh_interval = check_upkeep(
-            options.get("waiter_timeout"), options.get("refresh_interval"), self._timeout
+        waiter_ttl, refresh_interval = check_upkeep(
+            options.get("waiter_timeout"), options.get("refresh_interval"), timeout
         )
         self._on_lost: LostCallback | None = check_callable(options.get("on_lost"), "on_lost")
-        self._replicas = check_replicas(options.get("replicas", 0))
+        replicas = check_replicas(options.get("replicas", 0))
         self._client = client
-        self._core = Core(self, backend, client, self._keys, clock)
+        self._settings = Settings(name, limit, timeout, waiter_ttl, refresh_interval, replicas, clock)
+        self._core = Core(self, backend, client, self._keys, self._settings)
         #: This object's identity in Redis: its waiters' identifiers and its
         #: channel begin with it.
         self._process = self._core.process
@@ -166,17 +162,17 @@ class _Semaphore:
     @property
     def name(self) -> str:
         """The semaphore's name."""
-        return self._name
+        return self._settings.name
 
     @property
     def limit(self) -> int:
         """How many permits may be held at once."""
-        return self._limit
+        return self._settings.limit
 
     @property
     def timeout(self) -> float:
         """The lease, in seconds: a permit neither refreshed nor released within it is reclaimed."""
-        return self._timeout
+        return self._settings.timeout
 
     @property
     def blocking_timeout(self) -> float | None:
@@ -186,17 +182,17 @@ class _Semaphore:
     @property
     def waiter_timeout(self) -> float:
         """How long a waiter whose process stopped answering keeps its place, in seconds."""
-        return self._waiter_ttl
+        return self._settings.waiter_ttl
 
     @property
     def refresh_interval(self) -> float:
         """How often held permits are refreshed, in seconds (default: a third of ``timeout``)."""
-        return self._refresh_interval
+        return self._settings.refresh_interval
 
     @property
     def replicas(self) -> int:
         """How many replicas must acknowledge each acquire and refresh (0: none are waited for)."""
-        return self._replicas
+        return self._settings.replicas
 
     @property
     def key(self) -> str:
@@ -205,9 +201,9 @@ class _Semaphore:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(name={self._name!r}, limit={self._limit}, "
-            f"timeout={self._timeout:g}, blocking_timeout={self._blocking_timeout!r}, "
-            f"waiter_timeout={self._waiter_ttl:g}, refresh_interval={self._refresh_interval:g}, "
+            f"{type(self).__name__}(name={self._settings.name!r}, limit={self._settings.limit}, "
+            f"timeout={self._settings.timeout:g}, blocking_timeout={self._blocking_timeout!r}, "
+            f"waiter_timeout={self._settings.waiter_ttl:g}, refresh_interval={self._settings.refresh_interval:g}, "
             f"held={len(self._core.holdings)}, waiting={len(self._core.queue)}, key={self.key!r})"
         )
 
@@ -315,15 +311,15 @@ class _Semaphore:
         if value == LIMIT_MISMATCH:
             # Neither granted nor queued: nothing to give up.
             stored = await detached(self._client.get(self._keys.limit), name="aiosem limit")
-            raise LimitMismatch(name=self._name, limit=self._limit, stored_limit=int(stored or 0))
+            raise LimitMismatch(name=self._settings.name, limit=self._settings.limit, stored_limit=int(stored or 0))
         if value <= 0:
-            emit("timed_out", "semaphore", self._name, time.monotonic() - started)
+            emit("timed_out", "semaphore", self._settings.name, time.monotonic() - started)
             return None
-        permit = Permit(self._name, identifier, value, self._keys.base, time.monotonic())
+        permit = Permit(self._settings.name, identifier, value, self._keys.base, time.monotonic())
         emit(
             "acquired",
             "semaphore",
-            self._name,
+            self._settings.name,
             permit.acquired_at - started,
             identifier=identifier,
             fencing_token=value,
@@ -395,7 +391,7 @@ class _Semaphore:
             if relay is not None:
                 relay.confirm(permit.identifier, sent)
             else:
-                self._core.holdings.confirm(permit.identifier, sent, self._timeout)
+                self._core.holdings.confirm(permit.identifier, sent, self._settings.timeout)
         elif not held:
             self._core.holdings.lose(permit.identifier, "a refresh found it gone")
         return held
@@ -467,8 +463,8 @@ class _Semaphore:
     def statistics(self) -> SemaphoreStatistics:
         """Return a snapshot: counts as Redis last answered this object, and its local waiters."""
         return SemaphoreStatistics(
-            name=self._name,
-            limit=self._limit,
+            name=self._settings.name,
+            limit=self._settings.limit,
             holders=self._core.last.holders,
             waiting=self._core.last.waiting,
             local_waiters=len(self._core.queue),
@@ -494,7 +490,7 @@ class _Semaphore:
         taken = await self._take(blocking=True, blocking_timeout=DEFAULT)
         if taken is None:
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
-            raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout)
+            raise AcquireTimeout(name=self._settings.name, blocking_timeout=self._blocking_timeout)
         permit, confirmed_at, lease = taken
         self._core.holdings.enter(permit, confirmed_at, lease, on_lost=self._on_lost)
         return permit

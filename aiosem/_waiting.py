@@ -63,6 +63,9 @@ class WaiterState(enum.Enum):
     #: Gone from the queue: it holds its permit, gave up, or failed.
     DONE = "done"
 
+    # Members are singletons compared by identity: hashed by it too, in C.
+    __hash__ = object.__hash__
+
 
 #: The states of a waiter whose caller may have returned while its permit is
 #: still on its way in Redis: its claim, or the pass that relayed it.
@@ -106,7 +109,7 @@ class Waiter:
 
     def grant(self, token: int, confirmed_at: float, lease: float) -> bool:
         """Return the permit to the caller, if it still waits: ``True`` if it did."""
-        if not self.pending:
+        if self.future.done():
             return False
         self.lease = (confirmed_at, lease)
         self.future.set_result(token)
@@ -186,7 +189,7 @@ class WaitQueue:
     def waiter(self, identifier: str) -> Waiter | None:
         """The waiter still waiting under ``identifier``, if any."""
         waiter = self._waiters.get(identifier)
-        return waiter if waiter is not None and waiter.pending else None
+        return waiter if waiter is not None and not waiter.future.done() else None
 
     def queued(self) -> list[str]:
         """The identifiers of the waiters known to be queued, in arrival order."""
@@ -218,7 +221,7 @@ class WaitQueue:
                 # Queued, if at all, after this: so was any grant handed over by message.
                 waiter.proven = sent
             (value,), reply = await core.submit(Step.TRY if waiter is None else Step.WAIT, submission)
-            confirmed = (sent, core.semaphore.timeout)
+            confirmed = (sent, core.settings.timeout)
             if waiter is not None:
                 if (failure := waiter.read_failure()) is not None:
                     raise failure  # noqa: TRY301 -- the object was closed meanwhile: what was granted goes back
@@ -287,7 +290,7 @@ class WaitQueue:
                 "could not give back what an interrupted acquire of %r took",
                 self._core.semaphore,
                 exc_info=True,
-                extra=log_fields(self._core.semaphore.name),
+                extra=log_fields(self._core.settings.name),
             )
 
     async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
@@ -309,7 +312,7 @@ class WaitQueue:
     def observe(self, reply: Reply, sent: float) -> None:
         """Learn what a reply to a step sent at ``sent`` says about this object's waiters."""
         core = self._core
-        semaphore = core.semaphore
+        settings = core.settings
         resolved = []
         for identifier, token in reply.granted:
             # Granted by this object's own call: a full lease, nothing to
@@ -318,10 +321,10 @@ class WaitQueue:
             waiter = self.waiter(identifier)
             if waiter is None:
                 continue
-            if semaphore.replicas and reply.replicated is None:
+            if settings.replicas and reply.replicated is None:
                 self._hand_over(waiter)
                 continue
-            waiter.grant(token, sent, semaphore.timeout)
+            waiter.grant(token, sent, settings.timeout)
             resolved.append(identifier)
         if reply.relayed and len(resolved) == 1 and core.relay is not None:
             # (Granted to an acquire given up meanwhile, the permit goes back
@@ -333,7 +336,7 @@ class WaitQueue:
 
     def on_message(self, message: str) -> None:
         """A permit was handed to some of this object's waiters by another process."""
-        semaphore = self._core.semaphore
+        settings = self._core.settings
         now = asyncio.get_running_loop().time()
         for grant in message.split():
             identifier, _, token = grant.partition(":")
@@ -354,8 +357,8 @@ class WaitQueue:
             # the permit still there, and restarted its lease. (So it does
             # with replicas: the grant may not have reached them yet, and the
             # claim waits for them.)
-            if not semaphore.replicas and now < waiter.proven + semaphore.waiter_timeout * 2 / 3:
-                waiter.grant(int(token), waiter.proven, semaphore.waiter_timeout)
+            if not settings.replicas and now < waiter.proven + settings.waiter_ttl * 2 / 3:
+                waiter.grant(int(token), waiter.proven, settings.waiter_ttl)
 
     def _hand_over(self, waiter: Waiter) -> None:
         waiter.state = WaiterState.HANDED
@@ -391,7 +394,7 @@ class WaitQueue:
 
     async def _run_pump(self) -> None:
         loop = asyncio.get_running_loop()
-        heartbeat = self._core.semaphore.waiter_timeout / 3
+        heartbeat = self._core.settings.waiter_ttl / 3
         next_beat = loop.time() + heartbeat
         backoff = Backoff(heartbeat, first=_RETRY_PAUSE)
         task = asyncio.current_task()
@@ -443,7 +446,7 @@ class WaitQueue:
                     "re-checking the waiters of %r failed; retrying",
                     self._core.semaphore,
                     exc_info=True,
-                    extra=log_fields(self._core.semaphore.name),
+                    extra=log_fields(self._core.settings.name),
                 )
             return False
         return True
@@ -451,7 +454,7 @@ class WaitQueue:
     async def _settle(self, identifiers: Sequence[str], values: Sequence[int], sent: float) -> None:
         """Act on what a re-check sent at ``sent`` answered for each identifier."""
         core = self._core
-        semaphore = core.semaphore
+        settings = core.settings
         dropped = []
         for identifier, value in zip(identifiers, values, strict=True):
             waiter = self.waiter(identifier)
@@ -463,9 +466,9 @@ class WaitQueue:
                 claim.state = WaiterState.QUEUED if claim.pending else WaiterState.DONE
             if value > 0:
                 if waiter is not None:
-                    waiter.grant(value, sent, semaphore.timeout)
+                    waiter.grant(value, sent, settings.timeout)
                 else:
-                    core.holdings.confirm(identifier, sent, semaphore.timeout)
+                    core.holdings.confirm(identifier, sent, settings.timeout)
             elif value == QUEUED and waiter is not None:
                 waiter.proven = sent
             elif value < 0:
@@ -479,11 +482,12 @@ class WaitQueue:
     async def _requeue(self, dropped: Sequence[str]) -> None:
         """Queue again, last, waiters the queue forgot (presumed dead: this process did not answer in time)."""
         semaphore = self._core.semaphore
+        settings = self._core.settings
         logger.warning(
             "%d waiter(s) of %r lost their place in the queue; queueing again",
             len(dropped),
             semaphore,
-            extra=log_fields(semaphore.name),
+            extra=log_fields(settings.name),
         )
         sent = asyncio.get_running_loop().time()
         requeued, _ = await self._core.submit(Step.WAIT, dropped)
@@ -497,13 +501,11 @@ class WaitQueue:
             if waiter is None:
                 continue
             if value > 0:
-                waiter.grant(value, sent, semaphore.timeout)
+                waiter.grant(value, sent, settings.timeout)
             elif value == QUEUED:
                 waiter.proven = sent
             else:
-                waiter.fail(
-                    SemaphoreError(f"a waiter of semaphore {semaphore.name!r} was refused", name=semaphore.name)
-                )
+                waiter.fail(SemaphoreError(f"a waiter of semaphore {settings.name!r} was refused", name=settings.name))
 
     def _lost_before_claim(self, identifier: str) -> None:
         if not self._core.holdings.lose(
@@ -512,7 +514,7 @@ class WaitQueue:
             logger.warning(
                 "a permit of %r handed to this process was lost before it was claimed",
                 self._core.semaphore,
-                extra=log_fields(self._core.semaphore.name),
+                extra=log_fields(self._core.settings.name),
             )
 
     # --- the channel --------------------------------------------------------------
