@@ -27,8 +27,8 @@ from ._loop_cache import aclose as aclose
 from ._observing import LimiterEvent as LimiterEvent
 from ._observing import add_observer as add_observer
 from ._observing import remove_observer as remove_observer
+from ._permit import Permit as Permit
 from ._rate import AsyncRateLimiter as AsyncRateLimiter
-from ._semaphore import Permit as Permit
 from ._semaphore import SemaphoreStatistics as SemaphoreStatistics
 
 __all__ = [

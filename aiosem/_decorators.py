@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._options import LostCallback
-    from ._semaphore import Permit
+    from ._permit import Permit
     from ._specs import Semaphore
 
 __all__ = ["current_permit", "limit_concurrency", "limit_rate", "limiter", "rate_limiter"]

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ._core import Core
-    from ._semaphore import Permit, _Semaphore
+    from ._permit import Permit
+    from ._semaphore import _Semaphore
 
 logger = logging.getLogger("aiosem")
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._semaphore import Permit
+    from ._permit import Permit
 
 __all__ = ["LimiterEvent", "add_observer", "emit", "emit_permit", "log_fields", "remove_observer"]
 

@@ -20,6 +20,7 @@ library but for types.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Final, Literal, NamedTuple, TypeAlias, TypedDict
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from ._exceptions import PermitLost
 
 __all__ = [
+    "DEFAULT",
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_PREFIX",
     "DEFAULT_TIMEOUT",
@@ -220,3 +222,11 @@ def refuse_unknown(options: Mapping[str, object], declared: type, function: str)
     for keyword in options:
         if keyword not in known:
             raise TypeError(f"{function}() got an unexpected keyword argument {keyword!r}")
+
+
+class _Default(enum.Enum):
+    token = 0
+
+
+#: Stands for "the object's own ``blocking_timeout``" in `acquire` (of a semaphore or a rate limiter).
+DEFAULT: Final = _Default.token

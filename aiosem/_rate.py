@@ -17,9 +17,8 @@ from ._coordination import to_the_end
 from ._exceptions import AcquireTimeout, out_of_memory
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
-from ._options import DEFAULT_PREFIX, RateLimiterOptions, refuse_unknown
+from ._options import DEFAULT, DEFAULT_PREFIX, RateLimiterOptions, _Default, refuse_unknown
 from ._scripts import RATE_ACQUIRE
-from ._semaphore import DEFAULT, _Default
 from ._timing import SHORTEST_STEP_BOUND, Bound
 from ._validation import check_callable, check_client, check_name, check_now, check_rate, check_wait
 

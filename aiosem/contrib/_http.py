@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from aiosem._options import RequestLimitOptions
-    from aiosem._semaphore import Permit
+    from aiosem._permit import Permit
 
 __all__ = ["DEFAULT_RETRY_AFTER", "RequestLimit", "Unavailable", "check_retry_after"]
 

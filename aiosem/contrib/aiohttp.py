@@ -31,7 +31,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiosem._options import RequestLimitOptions, refuse_unknown
-from aiosem._semaphore import Permit
+from aiosem._permit import Permit
 from aiosem.contrib._http import RequestLimit
 
 try:

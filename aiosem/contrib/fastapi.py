@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Unpack
 
-    from aiosem._semaphore import Permit
+    from aiosem._permit import Permit
 
 __all__ = ["limit"]
 
