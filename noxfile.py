@@ -9,6 +9,8 @@ nox.options.reuse_existing_virtualenvs = True
 
 #: The oldest redis-py aiosem supports (pyproject's lower bound) and the newest.
 REDIS_PY = {"oldest": "redis[hiredis]==5.3.0", "latest": "redis[hiredis]"}
+#: aiosem with every extra the tests import (the integrations, the CLI, the examples).
+UNDER_TEST = ("-e", ".[cli,fastapi,aiohttp,otel,examples]")
 
 
 @nox.session
@@ -23,7 +25,7 @@ def tests(session: nox.Session, redis: str) -> None:
     real-server client restricted to docs/security.md's ACL lines
     (``AIOSEM_TEST_ACL=1``): a test fails if Redis refused aiosem anything.
     """
-    session.install("-e", ".[test]", REDIS_PY[redis])
+    session.install(*UNDER_TEST, "--group", "test", REDIS_PY[redis])
     if redis == "latest":
         session.run("pytest", *session.posargs)
         return
@@ -34,26 +36,26 @@ def tests(session: nox.Session, redis: str) -> None:
 @nox.session(python=["3.10", "3.11", "3.12", "3.13"])
 def compat(session: nox.Session) -> None:
     """The fast tests on every supported Python, for the compatibility matrix (not run by CI)."""
-    session.install("-e", ".[test]")
+    session.install(*UNDER_TEST, "--group", "test")
     session.run("pytest", "-m", "not slow and not failover", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("-e", ".[lint]")
+    session.install("--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".[test,typecheck,bench]")
+    session.install(*UNDER_TEST, "--group", "test", "--group", "typecheck", "--group", "bench")
     session.run("mypy", "--strict")
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    session.install("-e", ".[docs]")
+    session.install("-e", ".", "--group", "docs")
     session.run(
         "mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site", env={"NO_MKDOCS_2_WARNING": "1"}
     )
@@ -62,7 +64,7 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling."""
-    session.install("-e", ".[bench]")
+    session.install("-e", ".", "--group", "bench")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
