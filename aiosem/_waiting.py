@@ -389,8 +389,8 @@ class WaitQueue:
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
-    def _to_claim(self) -> list[Waiter]:
-        return [claim for claim in self._claims.values() if claim.state is WaiterState.HANDED]
+    def _claims_due(self) -> bool:
+        return any(claim.state is WaiterState.HANDED for claim in self._claims.values())
 
     async def _run_pump(self) -> None:
         loop = asyncio.get_running_loop()
@@ -399,14 +399,14 @@ class WaitQueue:
         backoff = Backoff(heartbeat, first=_RETRY_PAUSE)
         task = asyncio.current_task()
         try:
-            while self._queued or self._to_claim():
+            while self._queued or self._claims_due():
                 raise_if_cancel_swallowed(task)
                 due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
-                if not self._to_claim():
+                if not self._claims_due():
                     self._wake.clear()
                     with anyio.move_on_after(due - loop.time()):
                         await self._wake.wait()
-                    if not self._to_claim() and loop.time() < due:
+                    if not self._claims_due() and loop.time() < due:
                         continue
                 # A claim goes at once, alone unless a heartbeat or re-check is
                 # due too: then every queued waiter goes with it.
@@ -427,7 +427,7 @@ class WaitQueue:
 
         A failure is logged if ``log`` (the first of a series).
         """
-        claims = self._to_claim()
+        claims = [claim for claim in self._claims.values() if claim.state is WaiterState.HANDED]
         for claim in claims:
             claim.state = WaiterState.CLAIMING
         identifiers = [claim.identifier for claim in claims]
