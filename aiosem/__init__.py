@@ -20,6 +20,7 @@ from ._exceptions import LimitMismatch as LimitMismatch
 from ._exceptions import NotReplicated as NotReplicated
 from ._exceptions import OutOfMemory as OutOfMemory
 from ._exceptions import PermitLost as PermitLost
+from ._exceptions import RedisUnavailable as RedisUnavailable
 from ._exceptions import SemaphoreError as SemaphoreError
 from ._fair import AsyncFairSemaphore as AsyncFairSemaphore
 from ._locked import AsyncLockedSemaphore as AsyncLockedSemaphore
@@ -42,6 +43,7 @@ __all__ = [
     "OutOfMemory",
     "Permit",
     "PermitLost",
+    "RedisUnavailable",
     "SemaphoreError",
     "SemaphoreStatistics",
     "__version__",

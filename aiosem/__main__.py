@@ -30,8 +30,10 @@ from redis.exceptions import RedisClusterException
 
 from ._config import Settings
 from ._default_client import ENV_URL
-from ._demo import KINDS, Config, embedded_server
+from ._demo import KINDS, Config, embedded_server, interrupts_deferred
 from ._demo import main as run_demo
+from ._exceptions import RedisUnavailable
+from ._extras import install_hint
 from ._keys import check_prefix
 from ._status import find_names, read_status, reset
 from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
@@ -58,6 +60,8 @@ _SCHEMES: Final = (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
 _EXIT_NOT_FOUND: Final = 1
 _EXIT_USAGE: Final = 2
 _EXIT_REDIS: Final = 3
+_EXIT_INTERRUPTED: Final = 130
+_EXIT_BROKEN_PIPE: Final = 141
 
 
 def redact(url: str) -> str:
@@ -203,18 +207,34 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status.
+
+    A command that fails says why in one line on stderr. Ctrl-C ends any
+    command quietly (130); so does a reader that stops reading, as ``head``
+    does (141): the statuses a shell gives to a command killed by SIGINT
+    and SIGPIPE.
+    """
     args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
+    command = {"demo": _demo, "status": _status, "reset": _reset}[args.command]
     try:
-        return _status(args) if args.command == "status" else _reset(args)
+        return command(args)
     except _Refusal as refusal:
         print(f"aiosem {args.command}: error: {refusal}", file=sys.stderr)
         return refusal.status
+    except KeyboardInterrupt:
+        return _EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # What is still buffered for stdout would fail again as Python exits.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
 
 
 def _demo(args: argparse.Namespace) -> int:
+    with interrupts_deferred():
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     limit = 1 if args.kind in ("recipe-lock", "recipe-lock-with-timeout") else args.limit
 
     def config(url: str) -> Config:
@@ -231,13 +251,15 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.url is not None:
         print(f"Redis: {redact(args.url)}")
-        return run_demo(config(args.url), embedded=False)
+        try:
+            return run_demo(config(args.url), embedded=False)
+        except _REDIS_FAILURES as error:
+            raise _failure(error, args.url) from None
     try:
         server = embedded_server()
         url = server.__enter__()
     except ModuleNotFoundError as error:
-        print(f"the embedded server needs {error.name}: pip install 'aiosem[memory]', or pass --url", file=sys.stderr)
-        return 2
+        raise _Refusal(f"the embedded server needs {error.name}: {install_hint('memory')}, or pass --url", 2) from None
     try:
         return run_demo(config(url), embedded=True)
     finally:
@@ -285,8 +307,20 @@ def _on_redis(url: str, work: Callable[[Client], Awaitable[T]]) -> T:
 
     try:
         return asyncio.run(run())
-    except (redis.RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as error:
-        raise _Refusal(f"Redis at {redact(url)}: {_describe(error, url)}", _EXIT_REDIS) from None
+    except _REDIS_FAILURES as error:
+        raise _failure(error, url) from None
+
+
+#: What a command that talks to Redis may fail with, told in one line.
+_REDIS_FAILURES: Final = (redis.RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+
+
+def _failure(error: BaseException, url: str) -> _Refusal:
+    """The one line that ends a command when Redis at ``url`` failed with ``error``."""
+    if isinstance(error, RedisUnavailable):
+        return _Refusal(_describe(error, url), _EXIT_REDIS)  # it names the Redis itself
+    unreachable = " is unreachable" if isinstance(error, (redis.ConnectionError, OSError)) else ""
+    return _Refusal(f"Redis at {redact(url)}{unreachable}: {_describe(error, url)}", _EXIT_REDIS)
 
 
 def _describe(error: BaseException, url: str) -> str:
@@ -339,7 +373,7 @@ def _status(args: argparse.Namespace) -> int:
         try:
             import rich  # noqa: F401, PLC0415 -- an optional dependency, checked before Redis is read
         except ImportError:
-            raise _Refusal("the table needs rich: pip install 'aiosem[cli]', or pass --json", _EXIT_USAGE) from None
+            raise _Refusal(f"the table needs rich: {install_hint('cli')}, or pass --json", _EXIT_USAGE) from None
     names = list(dict.fromkeys(args.names))
 
     async def read(client: Client) -> list[SemaphoreStatus]:

@@ -25,6 +25,8 @@ import anyio
 import redis
 from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
 from ._background import Background
@@ -68,6 +70,40 @@ _SETTLE_PAUSE: Final = 0.05
 def is_cluster(client: object) -> bool:
     """Whether ``client`` is a ``redis.asyncio.RedisCluster``."""
     return isinstance(client, RedisCluster)
+
+
+def address(client: Client) -> str:
+    """Where ``client`` connects, as a URL with its password shown as ``***``, for messages.
+
+    Read from the client's settings, so it names the Redis the user gave,
+    however the client was made: one server (TCP, TLS or a Unix socket), the
+    master a Sentinel names, or the startup nodes of a cluster.
+    """
+    if isinstance(client, RedisCluster):
+        nodes = ",".join(node.name for node in client.nodes_manager.startup_nodes.values())
+        return f"redis+cluster://{_credentials(client.nodes_manager.connection_kwargs)}{nodes}"
+    pool = client.connection_pool
+    settings = pool.connection_kwargs
+    if isinstance(pool, SentinelConnectionPool):  # its settings are the master's
+        sentinels = ",".join(
+            f"{sentinel.connection_pool.connection_kwargs.get('host')}:"
+            f"{sentinel.connection_pool.connection_kwargs.get('port')}"
+            for sentinel in pool.sentinel_manager.sentinels
+        )
+        return f"redis+sentinel://{_credentials(settings)}{sentinels}/{pool.service_name}"
+    database = settings.get("db", 0)
+    if "path" in settings:
+        return f"unix://{_credentials(settings)}{settings['path']}?db={database}"
+    scheme = "rediss" if issubclass(pool.connection_class, SSLConnection) else "redis"
+    host = settings.get("host", "localhost")
+    return f"{scheme}://{_credentials(settings)}{host}:{settings.get('port', 6379)}/{database}"
+
+
+def _credentials(settings: dict[str, Any]) -> str:
+    user = settings.get("username") or ""
+    if settings.get("password") or settings.get("credential_provider"):
+        return f"{user}:***@"
+    return f"{user}@" if user else ""
 
 
 def check_cluster_support(client: object) -> None:

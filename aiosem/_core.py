@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
 
-from ._connection import Client, redirected, scored, text, transaction
+from ._connection import Client, address, redirected, scored, text, transaction
 from ._coordination import Lane, Submission, detached, to_the_end
-from ._exceptions import NotReplicated, SemaphoreError, out_of_memory
+from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, unavailable
 from ._holding import Holdings
 from ._observing import emit_permit
 from ._protocol import REFUSED, Reply, Step
@@ -176,7 +176,12 @@ class Core:
         if lane is None:
             lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since))
         submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
-        return await lane.submit(submission)
+        try:
+            return await lane.submit(submission)
+        except redis.ConnectionError as error:
+            # Raised afresh in the caller's task: one short traceback, from
+            # the caller's frames, that says which Redis could not be reached.
+            raise unavailable(error, self.settings.name, address(self.client)) from None
 
     async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
         """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""

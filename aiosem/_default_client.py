@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Final
 
 from . import _fork
+from ._extras import install_hint
 from ._urls import MEMORY_URL, check_url, connect, is_memory
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def import_memory() -> Any:
         import fakeredis  # noqa: PLC0415 -- an optional dependency, needed for memory:// only
         import lupa  # noqa: F401, PLC0415 -- fakeredis runs the Lua scripts with it
     except ImportError as error:
-        raise ImportError(f"{MEMORY_URL} needs fakeredis and lupa: pip install 'aiosem[memory]' ({error})") from error
+        raise ImportError(f"{MEMORY_URL} needs fakeredis and lupa: {install_hint('memory')} ({error})") from error
     return fakeredis
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import socket
 import sys
 import threading
@@ -51,6 +52,10 @@ KINDS: Final[tuple[Kind, ...]] = (
 
 #: How long the workers wait for each other before they start together.
 _START_TIMEOUT: Final = 60.0
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+_EXIT_INTERRUPTED: Final = 130
+#: How often a worker looks whether the run was stopped early, in seconds.
+_STOP_POLL: Final = 0.1
 #: The lease the workers take: far longer than any hold, so that a reading
 #: over the limit can only mean a wrongly granted permit.
 _LEASE: Final = 10.0
@@ -77,6 +82,11 @@ class Config:
     def ready_key(self) -> str:
         return f"aiosem-demo:{{{self.name}}}:ready"
 
+    @property
+    def stop_key(self) -> str:
+        """Set when the run is stopped early (Ctrl-C): each worker ends its holds and reports."""
+        return f"aiosem-demo:{{{self.name}}}:stop"
+
 
 @dataclass(frozen=True, slots=True)
 class Result:
@@ -88,6 +98,8 @@ class Result:
     #: Holds whose permit was lost before they ended (`PermitLost`): a holder
     #: stalled past its lease, which the limit survives.
     lost: int = 0
+    #: Whether the run was stopped before its duration was up.
+    stopped: bool = False
 
     def __add__(self, other: Result) -> Result:
         return Result(
@@ -95,6 +107,7 @@ class Result:
             max(self.peak, other.peak),
             self.over_limit + other.over_limit,
             self.lost + other.lost,
+            self.stopped or other.stopped,
         )
 
 
@@ -155,6 +168,7 @@ def _holder(client: Client, config: Config) -> Holder:
 async def _work(config: Config) -> Result:
     client = connect(config.url)
     grants = peak = over = lost = 0
+    stopped = asyncio.Event()
     try:
         hold = _holder(client, config)
         await client.incr(config.ready_key)
@@ -165,8 +179,15 @@ async def _work(config: Config) -> Result:
         end = Deadline(config.duration)
 
         async def loop() -> None:
-            while not end.passed():
+            while not end.passed() and not stopped.is_set():
                 await hold_once()
+
+        async def watch_for_stop() -> None:
+            while not end.passed():
+                if await client.exists(config.stop_key):
+                    stopped.set()
+                    return
+                await asyncio.sleep(_STOP_POLL)
 
         async def hold_once() -> None:
             nonlocal grants, peak, over, lost
@@ -183,21 +204,77 @@ async def _work(config: Config) -> Result:
                 # and the in-use counter tells whether anybody ran over the limit meanwhile.
                 lost += 1
 
-        await asyncio.gather(*(loop() for _ in range(config.coroutines)))
+        watcher = asyncio.create_task(watch_for_stop())
+        try:
+            await asyncio.gather(*(loop() for _ in range(config.coroutines)))
+        finally:
+            watcher.cancel()
     finally:
         await close(client)
-    return Result(grants, peak, over, lost)
+    return Result(grants, peak, over, lost, stopped.is_set())
 
 
 def _worker_process(config: Config) -> Result:
     return asyncio.run(_work(config))
 
 
+#: Set by Ctrl-C within `interrupts_deferred`: the run stops at its next tick.
+_interrupted = threading.Event()
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    if _interrupted.is_set():
+        raise KeyboardInterrupt  # pressed twice: the user will not wait for the workers
+    _interrupted.set()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Take Ctrl-C as a request to stop that `run` answers cleanly, at its next tick.
+
+    A terminal sends Ctrl-C's SIGINT to every process of the foreground
+    group. Raised as `KeyboardInterrupt` wherever the code happens to be --
+    in a worker importing, in the creation of an event loop -- it prints
+    tracebacks and leaves permits to their leases. Here it only sets a flag
+    (twice, it interrupts); the workers ignore it (see `_spawning`), and
+    the run tells them to stop through Redis.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _interrupted.clear()
+    previous = signal.signal(signal.SIGINT, _on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _spawning() -> Iterator[None]:
+    """Start processes that ignore SIGINT, while Ctrl-C is taken by `interrupts_deferred`.
+
+    An ignored signal is what a new process keeps -- Python installs its
+    own SIGINT handler only over the default one -- so the workers see no
+    Ctrl-C: the run stops them. One pressed while they start is lost.
+    """
+    if signal.getsignal(signal.SIGINT) is not _on_interrupt:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _on_interrupt)
+
+
 def run(config: Config, *, on_tick: Callable[[int, float], None] | None = None) -> Result:
     """Run ``config.workers`` processes against ``config.url`` and add up what they saw.
 
     ``on_tick(in_use, elapsed)`` is called about ten times a second with the
-    in-use counter as Redis has it.
+    in-use counter as Redis has it. Called within `interrupts_deferred`, a
+    Ctrl-C tells the workers to stop, and the run returns what they saw
+    until then (``stopped``).
     """
     return asyncio.run(_watch(config, on_tick))
 
@@ -207,9 +284,16 @@ async def _watch(config: Config, on_tick: Callable[[int, float], None] | None) -
     try:
         await watcher.delete(config.in_use_key, config.ready_key)
         started = time.monotonic()
+        if _interrupted.is_set():
+            return Result(0, 0, 0, stopped=True)
         with ProcessPoolExecutor(config.workers, mp_context=get_context("spawn")) as pool:
-            futures = [asyncio.wrap_future(pool.submit(_worker_process, config)) for _ in range(config.workers)]
+            with _spawning():
+                futures = [asyncio.wrap_future(pool.submit(_worker_process, config)) for _ in range(config.workers)]
             while not all(future.done() for future in futures):
+                if _interrupted.is_set():
+                    await watcher.set(config.stop_key, 1)
+                    await asyncio.wait(futures)
+                    break
                 if on_tick is not None:
                     on_tick(int(await watcher.get(config.in_use_key) or 0), time.monotonic() - started)
                 await asyncio.wait(futures, timeout=0.1)
@@ -218,7 +302,7 @@ async def _watch(config: Config, on_tick: Callable[[int, float], None] | None) -
                 total += future.result()
             return total
     finally:
-        await watcher.delete(config.in_use_key, config.ready_key)
+        await watcher.delete(config.in_use_key, config.ready_key, config.stop_key)
         await close(watcher)
 
 
@@ -228,7 +312,7 @@ def embedded_server() -> Iterator[str]:
 
     Raises:
         ModuleNotFoundError: fakeredis or lupa is missing
-            (``pip install 'aiosem[memory]'``).
+            (aiosem's ``memory`` extra).
     """
     import lupa  # noqa: F401, PLC0415 -- fakeredis needs it for Lua, and says so only at the first script
     from fakeredis import TcpFakeServer  # noqa: PLC0415 -- an optional dependency
@@ -273,7 +357,11 @@ def _live_view(limit: int, duration: float) -> Callable[[int, float], None]:
 
 
 def main(config: Config, *, embedded: bool) -> int:
-    """Run the demo with a live view; return the exit status (1 if the limit was ever exceeded)."""
+    """Run the demo with a live view; return the exit status.
+
+    1 if the limit was ever exceeded; else 130 if Ctrl-C stopped it early
+    (the workers end their holds, and what they saw is shown), else 0.
+    """
     # The command line's own redaction: it knows every URL form (imported here, as it imports this module).
     from .__main__ import redact  # noqa: PLC0415
 
@@ -285,7 +373,9 @@ def main(config: Config, *, embedded: bool) -> int:
     result = run(config, on_tick=_live_view(config.limit, config.duration))
     print()
     print(
-        f"grants {result.grants}  peak in use {result.peak}/{config.limit}  over limit {result.over_limit}"
-        f"  permits lost {result.lost}"
+        f"{'stopped early: ' if result.stopped else ''}grants {result.grants}  peak in use "
+        f"{result.peak}/{config.limit}  over limit {result.over_limit}  permits lost {result.lost}"
     )
-    return 0 if result.over_limit == 0 else 1
+    if result.over_limit:
+        return 1
+    return _EXIT_INTERRUPTED if result.stopped else 0

@@ -7,14 +7,16 @@ Everything aiosem raises on purpose derives from `SemaphoreError`::
     ├── LimitMismatch
     ├── NotReplicated
     ├── OutOfMemory      (also a redis.exceptions.OutOfMemoryError)
-    └── PermitLost
+    ├── PermitLost
+    └── RedisUnavailable (also a redis.exceptions.ConnectionError)
 
 Misuse -- a bad argument, a permit handed to the wrong semaphore -- raises the
 built-in `TypeError` or `ValueError` before anything is sent to Redis. Errors
 of Redis itself (`redis.RedisError` and its subclasses, such as
 `redis.ConnectionError`) are never swallowed: they reach the caller as raised
-by redis-py -- but for a refusal for memory, which becomes `OutOfMemory`:
-still a `redis.exceptions.OutOfMemoryError`, now naming the semaphore.
+by redis-py -- but for a refusal for memory, which becomes `OutOfMemory`,
+and a Redis out of reach, which becomes `RedisUnavailable`: still redis-py's
+classes, now naming the semaphore and the Redis, once.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ __all__ = [
     "NotReplicated",
     "OutOfMemory",
     "PermitLost",
+    "RedisUnavailable",
     "SemaphoreError",
     "out_of_memory",
+    "unavailable",
 ]
 
 
@@ -183,17 +187,54 @@ class PermitLost(SemaphoreError):
 
     Its lease ran out -- the holder neither refreshed nor released it within
     ``timeout`` -- and another client may have been granted it since: the
-    work done under it may have overlapped with another holder's.
+    work done under it may have overlapped with another holder's. Or the
+    semaphore object was closed (`aclose`) while the holder still ran, and
+    the permit was given back then.
 
     Attributes:
         name: The name of the semaphore.
         identifier: The identifier of the lost permit.
+        reason: Why it was lost, as the message says.
     """
 
-    def __init__(self, *, name: str, identifier: str) -> None:
-        super().__init__(
-            f"permit {identifier} of semaphore {name!r} was lost: its lease ran out",
-            name=name,
-        )
+    def __init__(self, *, name: str, identifier: str, reason: str = "its lease ran out") -> None:
+        super().__init__(f"permit {identifier} of semaphore {name!r} was lost: {reason}", name=name)
         #: The identifier of the lost permit.
         self.identifier = identifier
+        #: Why it was lost, as the message says.
+        self.reason = reason
+
+
+class RedisUnavailable(SemaphoreError, redis.exceptions.ConnectionError):
+    """Redis could not be reached, or refused the connection.
+
+    Raised by a call of a semaphore, limiter or rate limiter whose step could
+    not reach Redis: nothing listens at the address, the network is cut, or
+    Redis refused the credentials. The message says which Redis, its
+    password hidden, and what redis-py reported, in one line; the step had
+    no effect that the caller must undo. Also a
+    `redis.exceptions.ConnectionError`: code that handles redis-py's errors
+    catches it too. The error redis-py raised is its ``__context__``.
+
+    Attributes:
+        name: The name of the semaphore (or rate limiter).
+        address: The Redis, as a URL with its password shown as ``***``.
+    """
+
+    def __init__(self, *, name: str, address: str, reason: str) -> None:
+        super().__init__(f"Redis at {address} {reason}", name=name)
+        #: The Redis, as a URL with its password shown as ``***``.
+        self.address = address
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+def unavailable(error: redis.exceptions.ConnectionError, name: str, address: str) -> RedisUnavailable:
+    """The `RedisUnavailable` to raise, ``from None``, for redis-py's ``error`` on a step of ``name``."""
+    if isinstance(error, RedisUnavailable):
+        return error
+    detail = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, redis.exceptions.AuthenticationError):
+        return RedisUnavailable(name=name, address=address, reason=f"refused the credentials: {detail}")
+    return RedisUnavailable(name=name, address=address, reason=f"is unreachable: {detail}")

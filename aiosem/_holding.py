@@ -51,9 +51,10 @@ class Hold:
             ``None`` to only notify.
         on_lost: Called with the `PermitLost` when the permit is lost.
         lost: The loss, once it happened.
+        closed: Whether it was lost because the semaphore object was closed.
     """
 
-    __slots__ = ("confirmed_at", "lease", "lost", "on_lost", "permit", "scope")
+    __slots__ = ("closed", "confirmed_at", "lease", "lost", "on_lost", "permit", "scope")
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class Hold:
         self.scope = scope
         self.on_lost = on_lost
         self.lost: PermitLost | None = None
+        self.closed = False
 
     def __repr__(self) -> str:
         state = "lost" if self.lost is not None else f"confirmed for {self.lease:g} s from {self.confirmed_at:.3f}"
@@ -261,7 +263,12 @@ class Holdings:
         holds = list(self._holds.values())
         for hold in holds:
             self.drop(hold)
-            hold.lost = PermitLost(name=hold.permit.name, identifier=hold.permit.identifier)
+            hold.closed = True
+            hold.lost = PermitLost(
+                name=hold.permit.name,
+                identifier=hold.permit.identifier,
+                reason="the semaphore object was closed (aclose) while its holder ran, and gave it back",
+            )
         return holds
 
     def _next_round(self, hold: Hold) -> float:
@@ -376,6 +383,8 @@ class Holdings:
         if ours:
             raise lost from None
         if isinstance(exc, anyio.get_cancelled_exc_class()):
+            if hold.closed:
+                return  # closed, then cancelled, as a program ends: nothing went wrong
             logger.warning(
                 "%s was lost while its body was being cancelled",
                 permit,

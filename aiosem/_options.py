@@ -193,7 +193,7 @@ class ConfigureOptions(_SemaphoreDefaults, total=False):
     nodes), ``redis+sentinel://host:port,host:port/service`` (the master
     Sentinel names; ``rediss+...`` for TLS), or ``memory://`` -- an embedded
     store (fakeredis), shared by the event loops of this process and by
-    nothing else; needs ``pip install 'aiosem[memory]'``. Replaces a
+    nothing else; needs aiosem's ``memory`` extra. Replaces a
     ``client``. The deployment page of the docs details each form."""
     limits: Mapping[str, int] | None
     """Limits by semaphore name, added to those set before: used by a

@@ -1,4 +1,4 @@
-"""Limit aiohttp handlers by an aiosem semaphore (``pip install 'aiosem[aiohttp]'``).
+"""Limit aiohttp handlers by an aiosem semaphore (aiosem's ``aiohttp`` extra).
 
 Two ways, one behaviour: `limit` decorates one handler, `middleware` limits
 every request of an app (or those its name function picks). A request
@@ -30,6 +30,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from aiosem._extras import install_hint
 from aiosem._options import RequestLimitOptions, refuse_unknown
 from aiosem._permit import Permit
 from aiosem.contrib._http import RequestLimit
@@ -38,7 +39,7 @@ try:
     from aiohttp import web
 except ModuleNotFoundError as error:
     raise ModuleNotFoundError(
-        "aiosem.contrib.aiohttp needs aiohttp: pip install 'aiosem[aiohttp]'", name=error.name
+        f"aiosem.contrib.aiohttp needs aiohttp: {install_hint('aiohttp')}", name=error.name
     ) from error
 
 if TYPE_CHECKING:

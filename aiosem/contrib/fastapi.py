@@ -1,4 +1,4 @@
-"""Limit FastAPI routes by an aiosem semaphore (``pip install 'aiosem[fastapi]'``).
+"""Limit FastAPI routes by an aiosem semaphore (aiosem's ``fastapi`` extra).
 
 `limit` makes a dependency: a request takes a permit before its handler
 runs, and gives it back once the response is sent. Every route, worker
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, overload
 
+from aiosem._extras import install_hint
 from aiosem._options import RequestLimitOptions, refuse_unknown
 from aiosem.contrib._http import RequestLimit
 
@@ -38,7 +39,7 @@ try:
     from fastapi import HTTPException, Request, status
 except ModuleNotFoundError as error:
     raise ModuleNotFoundError(
-        "aiosem.contrib.fastapi needs FastAPI: pip install 'aiosem[fastapi]'", name=error.name
+        f"aiosem.contrib.fastapi needs FastAPI: {install_hint('fastapi')}", name=error.name
     ) from error
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""OpenTelemetry metrics and spans for aiosem (``pip install 'aiosem[otel]'``).
+"""OpenTelemetry metrics and spans for aiosem (aiosem's ``otel`` extra).
 
 One call, at start-up, after the OpenTelemetry SDK is configured::
 
@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import math
 
+from aiosem._extras import install_hint
 from aiosem._observing import LimiterEvent, add_observer
 
 try:
     from opentelemetry import metrics, trace
 except ModuleNotFoundError as error:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError(
-        "aiosem.contrib.opentelemetry needs opentelemetry-api: pip install 'aiosem[otel]'", name=error.name
+        f"aiosem.contrib.opentelemetry needs opentelemetry-api: {install_hint('otel')}", name=error.name
     ) from error
 
 __all__ = ["Instrumentation", "instrument"]
