@@ -44,7 +44,7 @@ more than three::
 Start several at once with the same ``--redis`` and ``--schema``: together
 they never run more than three queries. Without ``--redis``, aiosem uses
 ``AIOSEM_REDIS_URL``, else ``memory://`` (this process alone; needs
-``pip install 'aiosem[memory]'``); without ``--dsn``, asyncpg reads libpq's
+aiosem's ``memory`` extra); without ``--dsn``, asyncpg reads libpq's
 ``PGHOST``, ``PGDATABASE`` and the like.
 """
 

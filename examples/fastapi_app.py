@@ -18,7 +18,7 @@ processes inherit. ``memory://`` would not do -- each worker would have a
 store, and a limit, of its own -- so with several workers and no Redis,
 aiosem refuses to guess: the script stops at once (and a worker would fail
 its requests with a `RuntimeError` saying so). A single worker runs
-without Redis, on ``memory://`` (``pip install 'aiosem[memory]'``).
+without Redis, on ``memory://`` (aiosem's ``memory`` extra).
 
 Fire 200 requests at once and at most 3 run at any moment, over both
 workers: about 30 are served in the first second, 3 every 0.1 s, and the

@@ -6,7 +6,7 @@ that it answers 503 at once instead of piling up. The server is plain
 asyncio (no web framework needed); the example starts it, sends it ten
 requests at once, prints the answers and stops::
 
-    python examples/handler.py                            # memory:// (pip install 'aiosem[memory]')
+    python examples/handler.py                            # memory:// (aiosem's memory extra)
     python examples/handler.py redis://localhost:6379/0
 """
 
