@@ -54,8 +54,15 @@ FLOOR: Final = "#bdbdbd"
 PALE: Final = "#7986cb"
 LABELS: Final = {"raw": "raw EVALSHA loop", "fair": "AsyncFairSemaphore", "locked": "AsyncLockedSemaphore"}
 HOW: Final = {"failover": "SENTINEL FAILOVER", "kill": "SIGKILL of the master"}
-WIDTH: Final = 9.0
-DPI: Final = 110
+#: The figures are drawn for the width the docs show them at: mkdocs-material's content column between both
+#: sidebars is 688 CSS px, so a 7 in figure shows a point as 688 / (7 x 72) = 1.37 px, and SMALL text as 12.3 px,
+#: the size of the page's tables. DPI makes the PNG 1,400 px wide, sharp on screens of two pixels a CSS px.
+WIDTH: Final = 7.0
+DPI: Final = 200
+#: Bar labels, legends, annotations, the run's note; ticks and axis labels keep matplotlib's 10 pt.
+SMALL: Final = 9
+#: The title of a figure and of each panel.
+TITLE: Final = 10.5
 #: PNG metadata written by matplotlib would change with its version; none is kept.
 METADATA: Final[dict[str, str | None]] = {"Software": None}
 TIMES: Final = "\N{MULTIPLICATION SIGN}"
@@ -82,14 +89,15 @@ def load(path: Path) -> Result | None:
 
 
 def provenance(result: Result) -> str:
-    """One line naming the run: date, machine and versions, as the result file records them."""
+    """Two lines naming the run, as the result file records it: date and versions, then the machine."""
     environment: Result = result.get("environment", result)
     server = environment["redis_server"]
     servers = ", ".join(server) if isinstance(server, list) else server
     return (
         f"{environment['date'][:10]} · Redis {servers} · redis-py {environment['redis_py']} · "
-        f"hiredis {environment['hiredis']} · {environment['implementation']} {environment['python']} · "
-        f"{environment['cpus']} CPUs · {environment['platform']} · aiosem {environment['aiosem']}"
+        f"hiredis {environment['hiredis']} · aiosem {environment['aiosem']}\n"
+        f"{environment['implementation']} {environment['python']} · {environment['cpus']} CPUs · "
+        f"{environment['platform']}"
     )
 
 
@@ -115,7 +123,7 @@ def figure(
     for ax in axes:
         ax.spines[["top", "right"]].set_visible(False)
         ax.set_axisbelow(True)
-    drawn.supxlabel(provenance(result), fontsize=7, color="#616161")
+    drawn.supxlabel(provenance(result), fontsize=SMALL, color="#616161")
     return drawn, axes
 
 
@@ -160,14 +168,14 @@ def throughput(result: Result) -> Figure:
         positions = [group + (offset - 1) * bar for group in range(len(groups))]
         bars = ax.bar(positions, [r["cycles_per_second"] for r in rows], bar, color=COLOURS[kind], label=LABELS[kind])
         labels = [f"{r['cycles_per_second']:,.0f}\n{r['ratio_to_raw']:.2f} {TIMES}" for r in rows]
-        ax.bar_label(bars, labels, fontsize=8)
+        ax.bar_label(bars, labels, fontsize=SMALL)
     ax.set_xticks(range(len(groups)), [f"{n} coroutine{'s' * (n > 1)}, limit {limit}" for n, limit in groups])
     ax.set_ylabel("acquire + release cycles per second")
     ax.yaxis.set_major_formatter(FuncFormatter(thousands))
     ax.margins(y=0.2)
     ax.grid(axis="y", color="#eeeeee")
     ax.legend(frameon=False, loc="upper right")
-    ax.set_title("Throughput, and its ratio to a raw loop of 2 EVALSHA per cycle in the same run", fontsize=10)
+    ax.set_title("Throughput, and its ratio to a raw loop of 2 EVALSHA per cycle in the same run", fontsize=TITLE)
     return drawn
 
 
@@ -183,15 +191,15 @@ def handoff(result: Result) -> Figure:
             values.append(row[f"{percentile}_ms"])
             colours.append(COLOURS[row["kind"]])
         bars = ax.barh(names, values, color=colours)
-        ax.bar_label(bars, [f"{value:.2f} ms" for value in values], fontsize=8, padding=2)
+        ax.bar_label(bars, [f"{value:.2f} ms" for value in values], fontsize=SMALL, padding=2)
         ax.invert_yaxis()
         ax.margins(x=0.15)
         ax.set_xlabel("milliseconds")
         ax.grid(axis="x", color="#eeeeee")
-        ax.set_title(f"{LABELS[row['kind']]} ({row['repetitions']} hand-offs)", fontsize=10)
+        ax.set_title(f"{LABELS[row['kind']]}\n{row['repetitions']} hand-offs", fontsize=TITLE)
     for ax in axes[1:]:
         ax.tick_params(labelleft=False)
-    drawn.suptitle("Hand-off latency; grey: floors measured on the same server in the same run", fontsize=10)
+    drawn.suptitle("Hand-off latency; grey: floors measured on the same server in the same run", fontsize=TITLE)
     return drawn
 
 
@@ -208,7 +216,7 @@ def crash(result: Result) -> Figure:
     bounds = " and ".join(sorted({f"{row['bound_s']:g} s" for row in rows}))
     ax.set_xlabel(f"ms after the lease or the waiter timeout ({bounds}) ran out")
     ax.grid(axis="x", color="#eeeeee")
-    ax.set_title("Crash reclaim: when the next waiter got the permit; each dot one SIGKILL", fontsize=10)
+    ax.set_title("Crash reclaim: when the next waiter got the permit\n(each dot one SIGKILL)", fontsize=TITLE)
     return drawn
 
 
@@ -220,14 +228,14 @@ def holding(result: Result) -> Figure:
     values = [row["commands_per_s"] for row in rows]
     colours = [COLOURS[row["kind"]] if row["method"] == "refresher" else FLOOR for row in rows]
     bars = ax.barh(names, values, color=colours)
-    ax.bar_label(bars, [f"{value:,.1f}" for value in values], fontsize=8, padding=2)
+    ax.bar_label(bars, [f"{value:,.1f}" for value in values], fontsize=SMALL, padding=2)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.margins(x=0.3)
-    ax.set_xlabel("commands per second run by the server (log scale; those inside scripts included)")
+    ax.set_xlabel("commands per second run by the server\n(log scale; those inside scripts included)")
     ax.grid(axis="x", color="#eeeeee")
     permits = rows[0]["permits"]
-    ax.set_title(f"Keeping {permits:,} held permits alive; grey: a task per permit calling the recipe", fontsize=10)
+    ax.set_title(f"Keeping {permits:,} held permits alive\ngrey: a task per permit calling the recipe", fontsize=TITLE)
     return drawn
 
 
@@ -236,77 +244,79 @@ def rate(result: Result) -> Figure:
     drawn, (counts, gaps) = figure(result, 3.6, columns=2)
     rows = result["results"]
     first = rows[0]
-    servers = [row["server"] for row in rows]
+    # "fakeredis (TCP)" on one line runs into its neighbour's tick label.
+    servers = [row["server"].replace(" (", "\n(") for row in rows]
     bar = 0.35
     # What is counted, the bound it is drawn against, and how the legend says both.
     counted = (
-        ("grants", "ideal", f"grants (line: rate {TIMES} duration + burst)"),
-        ("max_in_window", "allowed_in_window", f"most grants in any {first['per']:g} s window (line: rate + burst)"),
+        ("grants", "ideal", f"grants\n(line: rate {TIMES} duration + burst)"),
+        ("max_in_window", "allowed_in_window", f"most grants in any {first['per']:g} s window\n(line: rate + burst)"),
     )
     for offset, (key, bound, label) in enumerate(counted):
         positions = [index + (offset - 0.5) * bar for index in range(len(rows))]
         colour = COLOURS["fair"] if offset == 0 else PALE
         bars = counts.bar(positions, [row[key] for row in rows], bar, color=colour, label=label)
-        counts.bar_label(bars, [f"{row[key]:g}" for row in rows], fontsize=8, label_type="center", color="white")
+        counts.bar_label(bars, [f"{row[key]:g}" for row in rows], fontsize=SMALL, label_type="center", color="white")
         for position, row in zip(positions, rows, strict=True):
             counts.hlines(row[bound], position - bar / 2, position + bar / 2, color="black", linewidth=1.5)
     counts.set_xticks(range(len(rows)), servers)
     counts.margins(y=0.25)
-    counts.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    counts.set_title("Grants, each against its bound", fontsize=10)
+    counts.legend(frameon=False, fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    counts.set_title("Grants, each against its bound", fontsize=TITLE)
     for offset, (key, label) in enumerate((("gap_p50_ms", "median gap"), ("gap_min_ms", "shortest gap"))):
         positions = [index + (offset - 0.5) * bar for index in range(len(rows))]
         colour = COLOURS["fair"] if offset == 0 else PALE
         bars = gaps.bar(positions, [row[key] for row in rows], bar, color=colour, label=label)
-        gaps.bar_label(bars, [f"{row[key]:.1f}" for row in rows], fontsize=8, padding=2)
+        gaps.bar_label(bars, [f"{row[key]:.1f}" for row in rows], fontsize=SMALL, padding=2)
     interval = rows[0]["interval_ms"]
     gaps.axhline(interval, color="black", linewidth=1, linestyle="--", label=f"interval ({interval:g} ms)")
     gaps.set_xticks(range(len(rows)), servers)
-    gaps.set_ylabel("ms between consecutive grants")
+    gaps.set_ylabel("ms between two grants")
     gaps.margins(y=0.25)
-    gaps.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=3)
-    gaps.set_title("Time between grants", fontsize=10)
+    gaps.legend(frameon=False, fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    gaps.set_title("Time between grants", fontsize=TITLE)
     drawn.suptitle(
         f"Rate limiter: {first['processes']} processes {TIMES} {first['coroutines']} coroutines, "
         f"rate {first['rate']:g} per {first['per']:g} s, burst {first['burst']}, {first['duration_s']:g} s",
-        fontsize=10,
+        fontsize=TITLE,
     )
     return drawn
 
 
 def failover(result: Result) -> Figure:
     """Per row of failovers: permits granted and forgotten, and the longest time without a grant."""
-    drawn, (permits, outage) = figure(result, 5.0, columns=2)
+    drawn, (permits, outage) = figure(result, 6.4, columns=2, widths=(1.3, 1))
     rows = result["forgotten"]
-    names = [f"{row['kind']}, {HOW[row['how']]}, replicas={row['replicas']}" for row in rows]
+    names = [f"{row['kind']}, replicas={row['replicas']}\n{HOW[row['how']]}" for row in rows]
     kept = [row["granted"] - row["forgotten"] for row in rows]
     permits.barh(names, kept, color=[COLOURS[row["kind"]] for row in rows], label="still held on the new master")
     lost = permits.barh(names, [row["forgotten"] for row in rows], left=kept, color="black", label="forgotten")
-    permits.bar_label(lost, [f"{row['forgotten']:,} of {row['granted']:,}" for row in rows], fontsize=7, padding=2)
+    permits.bar_label(lost, [f"{row['forgotten']:,} of {row['granted']:,}" for row in rows], fontsize=SMALL, padding=2)
     permits.invert_yaxis()
     permits.margins(x=0.45)
     permits.xaxis.set_major_formatter(FuncFormatter(thousands))
     permits.set_xlabel(f"permits granted in {rows[0]['rounds']} failovers")
-    permits.legend(frameon=False, fontsize=8, loc="lower right")
-    permits.set_title("Permits granted, and forgotten by the new master", fontsize=10)
+    permits.legend(frameon=False, fontsize=SMALL, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    permits.set_title("Permits granted,\nand forgotten by the new master", fontsize=TITLE)
     medians = [row["outage_median_s"] for row in rows]
     maxima = [row["outage_max_s"] for row in rows]
     longest = outage.barh(names, maxima, color=FLOOR, label="max")
     outage.barh(names, medians, color=[COLOURS[row["kind"]] for row in rows], label="median")
     outage.bar_label(
-        longest, [f"{m:.2f} / {x:.2f}" for m, x in zip(medians, maxima, strict=True)], fontsize=7, padding=2
+        longest, [f"{m:.2f} / {x:.2f}" for m, x in zip(medians, maxima, strict=True)], fontsize=SMALL, padding=2
     )
     outage.invert_yaxis()
     outage.tick_params(labelleft=False)
     outage.margins(x=0.3)
-    outage.set_xlabel("seconds: median / max over the rounds")
-    outage.set_title("Longest time without a grant", fontsize=10)
+    outage.set_xlabel("seconds: median / max\nover the rounds")
+    outage.set_title("Longest time\nwithout a grant", fontsize=TITLE)
     return drawn
 
 
 def replicas(result: Result) -> Figure:
     """Cycles per second with ``replicas=0`` and ``1``, on the same master and replica in the same run."""
-    drawn, axes = figure(result, 3.4, columns=2)
+    # One panel above the other: side by side, the class names under the bars run into each other.
+    drawn, axes = figure(result, 5.6, heights=(1, 1))
     rows = result["cost"]
     kinds = list(dict.fromkeys(row["kind"] for row in rows))
     panels: Sequence[tuple[str, str]] = (
@@ -320,15 +330,15 @@ def replicas(result: Result) -> Figure:
             positions = [index + (offset - 0.5) * bar for index in range(len(kinds))]
             colours = [COLOURS[kind] for kind in kinds]
             bars = ax.bar(positions, [r[key] for r in chosen], bar, color=colours, alpha=1.0 if count else 0.45)
-            ax.bar_label(bars, [f"replicas={count}\n{r[key]:,.0f}" for r in chosen], fontsize=7)
+            ax.bar_label(bars, [f"replicas={count}\n{r[key]:,.0f}" for r in chosen], fontsize=SMALL)
         ax.set_xticks(range(len(kinds)), [LABELS[kind] for kind in kinds])
         ax.yaxis.set_major_formatter(FuncFormatter(thousands))
         ax.margins(y=0.25)
         ax.grid(axis="y", color="#eeeeee")
-        ax.set_title(title, fontsize=10)
-    axes[0].set_ylabel("acquire + release cycles per second")
+        ax.set_title(title, fontsize=TITLE)
+        ax.set_ylabel("acquire + release\ncycles per second")
     drawn.suptitle(
-        "What replicas=1 costs: pale, replicas=0; solid, replicas=1 (master and replica on loopback)", fontsize=10
+        "What replicas=1 costs: pale, replicas=0; solid, replicas=1\n(master and replica on loopback)", fontsize=TITLE
     )
     return drawn
 
@@ -338,7 +348,7 @@ def peers(result: Result) -> Figure:
     limits: list[int] = result["limits"]
     scenarios = [[row for row in result["rows"] if row["limit"] == limit] for limit in limits]
     # A row of panels per limit, as tall as its bars (and its title): every bar as thick as the others.
-    drawn, axes = figure(result, 6.6, columns=2, widths=(4, 1), heights=[len(rows) + 2 for rows in scenarios])
+    drawn, axes = figure(result, 8.0, columns=2, widths=(3, 1), heights=[len(rows) + 2 for rows in scenarios])
     speeds, trips = axes[0::2], axes[1::2]
     colours = {"raw": COLOURS["raw"], "aiosem-fair": COLOURS["fair"], "aiosem-locked": COLOURS["locked"]}
     every = [row for rows in scenarios for row in rows]
@@ -358,41 +368,49 @@ def peers(result: Result) -> Figure:
             linewidth=2,
         )
         labels = speed.bar_label(
-            bars, [f"{row['cycles_per_second']:,.0f}/s · {ratio(row['ratio_to_raw'])}" for row in rows], fontsize=8,
+            bars, [f"{row['cycles_per_second']:,.0f}/s · {ratio(row['ratio_to_raw'])}" for row in rows], fontsize=SMALL,
             padding=3,
         )  # fmt: skip
         for label, count in zip(labels, over, strict=True):
             if count:
                 speed.annotate(
                     f"over limit: {count:,}", xy=(1, 0.5), xycoords=label, xytext=(6, 0), textcoords="offset points",
-                    va="center", fontsize=8, fontweight="bold", color=ALARM,
+                    va="center", fontsize=SMALL, fontweight="bold", color=ALARM,
                 )  # fmt: skip
-        speed.set_yticks(positions, [row["label"] for row in rows], fontsize=8)
+        speed.set_yticks(positions, [row["label"] for row in rows], fontsize=SMALL)
         speed.invert_yaxis()
         speed.set_xscale("log")
         speed.set_xlim(*speed_limits)
         speed.xaxis.set_major_formatter(FuncFormatter(plain))
         speed.grid(axis="x", color="#eeeeee")
         mutex = ": a mutex" if limit == 1 else ""
-        alone = "; the locks run at this limit only" if any(row["peer"] not in elsewhere for row in rows) else ""
-        speed.set_title(f"limit {limit}{mutex}{alone}", fontsize=10, loc="left")
+        alone = "\nthe locks run at this limit only" if any(row["peer"] not in elsewhere for row in rows) else ""
+        speed.set_title(f"limit {limit}{mutex}{alone}", fontsize=TITLE, loc="left")
         trip_bars = trip.barh(positions, [row["round_trips_per_cycle"] for row in rows], color=fill)
-        trip.bar_label(trip_bars, [f"{row['round_trips_per_cycle']:,.3g}" for row in rows], fontsize=7, padding=2)
+        trip.bar_label(trip_bars, [f"{row['round_trips_per_cycle']:,.3g}" for row in rows], fontsize=SMALL, padding=2)
         trip.set_xscale("log")
         trip.set_xlim(*trip_limits)
         trip.xaxis.set_major_formatter(FuncFormatter(plain))
-        trip.tick_params(labelleft=False, labelsize=7)
+        trip.tick_params(labelleft=False, labelsize=SMALL)
         trip.grid(axis="x", color="#eeeeee")
-        trip.set_title("round trips per cycle", fontsize=9)
+        trip.set_title("round trips\nper cycle", fontsize=SMALL)
     speeds[-1].set_xlabel("acquire + release cycles per second (log scale)")
-    trips[-1].set_xlabel("socket writes (log)", fontsize=8)
+    trips[-1].set_xlabel("socket writes (log)", fontsize=SMALL)
     drawn.suptitle(
-        f"aiosem beside its peers: {result['coroutines']} coroutines on one client, acquire, one event-loop pass, "
-        f"release\nbeside each bar: cycles/s and its ratio to the raw loop on the same server; "
-        "red: holds begun with the limit already in use",
-        fontsize=10,
+        f"aiosem beside its peers: {result['coroutines']} coroutines on one client,\n"
+        "acquire, one event-loop pass, release; beside each bar: cycles/s\n"
+        "and its ratio to the raw loop on the same server; red: holds begun\nwith the limit already in use",
+        fontsize=TITLE,
     )
     return drawn
+
+
+def first_row(drawn: Figure, panel: Axes, beside: Axes) -> None:
+    """Stretch ``panel`` over the whole first row of ``drawn``'s grid, in place of the panel ``beside`` it."""
+    grid = panel.get_gridspec()
+    assert grid is not None  # noqa: S101 -- figure() lays its panels on a grid
+    panel.set_subplotspec(grid[0, :])
+    drawn.delaxes(beside)
 
 
 def label_points(axes: Axes, rows: Sequence[Result], key: str, met: str, form: str) -> None:
@@ -401,20 +419,22 @@ def label_points(axes: Axes, rows: Sequence[Result], key: str, met: str, form: s
         missed = not row[met]
         axes.annotate(
             form.format(row[key]), xy=(row["waiters"], row[key]), xytext=(0, 6), textcoords="offset points",
-            ha="center", fontsize=7, color=ALARM if missed else "black", fontweight="bold" if missed else "normal",
+            ha="center", fontsize=SMALL, color=ALARM if missed else "black", fontweight="bold" if missed else "normal",
         )  # fmt: skip
 
 
 def scaling(result: Result) -> Figure:
     """Cycles per second with more processes; what waiters in one process cost Redis while idle, and connections."""
-    drawn, (cycles, commands, connections) = figure(result, 4.0, columns=3, widths=(1.2, 1, 1))
+    drawn, (cycles, beside, commands, connections) = figure(result, 6.2, columns=2, heights=(1, 1))
+    # The processes' panel takes the whole first row: three panels side by side have no room for their labels.
+    first_row(drawn, cycles, beside)
     rows = result["processes"]
     positions = range(len(rows))
     bars = cycles.bar(positions, [row["cycles_per_second"] for row in rows], 0.6, color=COLOURS["fair"])
     labels = cycles.bar_label(
         bars,
         [f"{row['cycles_per_second']:,.0f}/s\nover limit: {row['over_limit']}" for row in rows],
-        fontsize=7,
+        fontsize=SMALL,
         padding=2,
     )
     for label, row in zip(labels, rows, strict=True):
@@ -427,7 +447,7 @@ def scaling(result: Result) -> Figure:
     cycles.yaxis.set_major_formatter(FuncFormatter(thousands))
     cycles.margins(x=0.08, y=0.2)
     cycles.grid(axis="y", color="#eeeeee")
-    cycles.set_title("More processes, one semaphore", fontsize=10)
+    cycles.set_title("More processes, one semaphore", fontsize=TITLE)
 
     waiting = result["waiters"]
     counts = [row["waiters"] for row in waiting]
@@ -446,8 +466,8 @@ def scaling(result: Result) -> Figure:
     commands.yaxis.set_major_formatter(FuncFormatter(plain))
     commands.yaxis.set_minor_formatter(NullFormatter())
     commands.set_ylabel("commands/s while idle (log)")
-    commands.legend(frameon=False, fontsize=7, loc="upper left")
-    commands.set_title(f"Idle cost, a re-check every {recheck:.3g} s", fontsize=10)
+    commands.legend(frameon=False, fontsize=SMALL, loc="upper left")
+    commands.set_title(f"Idle cost, a re-check every {recheck:.3g} s", fontsize=TITLE)
 
     pool = waiting[0]["pool_size"]
     bound = pool + EXTRA_CONNECTIONS
@@ -459,8 +479,8 @@ def scaling(result: Result) -> Figure:
     label_points(connections, waiting, "connections", "connections_target_met", "{}")
     connections.set_ylim(0, max([bound, *held]) * 1.3)
     connections.set_ylabel("connections to Redis")
-    connections.legend(frameon=False, fontsize=7, loc="upper left")
-    connections.set_title("Connections held", fontsize=10)
+    connections.legend(frameon=False, fontsize=SMALL, loc="upper left")
+    connections.set_title("Connections held", fontsize=TITLE)
     for ax in (commands, connections):
         ax.set_xscale("log")
         ax.set_xticks(counts)
@@ -470,9 +490,9 @@ def scaling(result: Result) -> Figure:
         ax.margins(x=0.15)
         ax.grid(color="#eeeeee")
     drawn.suptitle(
-        "AsyncFairSemaphore: processes on one semaphore, and waiters in one process on one permit held elsewhere\n"
+        "AsyncFairSemaphore: processes on one semaphore, and waiters in one\nprocess on one permit held elsewhere; "
         "red: holds over the limit, or a target missed",
-        fontsize=10,
+        fontsize=TITLE,
     )
     return drawn
 
