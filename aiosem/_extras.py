@@ -1,8 +1,8 @@
 """What to install for an optional part of aiosem, said the same way everywhere.
 
 aiosem is installed from wherever the user got it -- a clone, a wheel, a
-Git URL -- so a hint to run ``pip install 'aiosem[memory]'`` may name a
-package that is not on PyPI, or somebody else's. A hint names the packages
+Git URL -- so a hint to install ``aiosem[memory]`` from PyPI may name a
+package that is not there, or somebody else's. A hint names the packages
 of the extra instead, as the installed aiosem's metadata lists them: that
 works from wherever the user stands, and stays true when pyproject.toml
 changes.

@@ -26,7 +26,7 @@ little after its slot came, by the time it took to get there, so it may
 see two a few milliseconds closer together than the delay.)
 
 Redis is ``--redis``, else ``$AIOSEM_REDIS_URL``, else ``memory://``
-(``pip install 'aiosem[memory]'``), which limits this one process only.
+(aiosem's ``memory`` extra), which limits this one process only.
 A progress bar is drawn on stderr when it is a terminal, unless
 ``--quiet``; the summary goes to stdout, ending with one line ``crawled N
 pages from H hosts in S s; R refused by robots.txt, E errors``, or as JSON
