@@ -9,8 +9,9 @@
 ``status`` and ``reset`` take the Redis URL from ``--url``, else from
 ``AIOSEM_REDIS_URL``. Exit statuses: 0 done; 1 a named semaphore does not
 exist, or a reset was not confirmed; 2 a usage error (as argparse's), no URL,
-or no ``rich`` for the table; 3 Redis failed or could not be reached.
-Passwords in URLs are never printed.
+or no ``rich`` for the table; 3 Redis failed or could not be reached; 130
+Ctrl-C; 141 the reader of the output left (``| head``). A failure is told
+in one line on stderr. Passwords in URLs are never printed.
 """
 
 from __future__ import annotations
