@@ -8,16 +8,23 @@ has no directive for that). It follows links to the seeds' hosts only, never
 fetches a URL twice, and stops after ``--max-pages`` pages.
 
 Both limits live in Redis, one semaphore and one rate limiter per host and
-port, both named ``crawler:HOST:PORT``: several crawler processes, on one
-machine or many, given the same ``--redis`` share them, so that together
+port, both named ``crawler:HOST:PORT``, and every request to a host goes
+through both, robots.txt included: several crawler processes, on one
+machine or many, given the same ``--url`` share them, so that together
 they never send a host more than ``--per-host`` requests at once, nor start
 two closer together than its robots.txt asks. (Each process keeps its own
-set of URLs seen: two given the same seeds each fetch every page.) They
-must agree on ``--per-host``: a semaphore in use refuses another limit with
-`aiosem.LimitMismatch`.
+set of URLs seen: two given the same seeds each fetch every page.)
+
+**The first request.** Each process reads a host's robots.txt once, itself,
+before anything else there. Until then the host's delay is unknown, so
+that request is spaced as if the host asked ``Crawl-delay: 1``
+(`FIRST_DELAY`): the next request to the host, from any process, starts at
+least a second after it. A host that asks for more than a second is given
+its delay after every other request, but only a second after each
+process's read of its robots.txt.
 
     python examples/crawler.py                 # three demo sites of its own, memory://
-    python examples/crawler.py --redis redis://localhost:6379/0 --per-host 2 https://example.com/
+    python examples/crawler.py --url redis://localhost:6379/0 --per-host 2 https://example.com/
 
 Without seeds it starts three small demo sites on loopback ports, each with
 its own robots.txt (a crawl delay, a request rate, a disallowed path),
@@ -25,12 +32,33 @@ crawls them, and prints what each site saw. (A site sees a request a
 little after its slot came, by the time it took to get there, so it may
 see two a few milliseconds closer together than the delay.)
 
-Redis is ``--redis``, else ``$AIOSEM_REDIS_URL``, else ``memory://``
-(aiosem's ``memory`` extra), which limits this one process only.
-A progress bar is drawn on stderr when it is a terminal, unless
-``--quiet``; the summary goes to stdout, ending with one line ``crawled N
-pages from H hosts in S s; R refused by robots.txt, E errors``, or as JSON
-with ``--json``.
+**Several crawlers on the same demo sites.** ``crawler.py serve`` serves
+the demo sites alone, on ``--port`` and the next two (default: free
+ports, printed), until Ctrl-C; then it prints what each site saw. Give
+their URLs as seeds to crawlers in other terminals, all with one Redis:
+
+    python examples/crawler.py serve --port 8000        # terminal 1: the sites, until Ctrl-C
+    export AIOSEM_REDIS_URL=redis://localhost:6379/0    # terminals 2, 3 and 4, then in each at once:
+    python examples/crawler.py http://127.0.0.1:8000/ http://127.0.0.1:8001/ http://127.0.0.1:8002/
+
+Once the three crawlers are done, Ctrl-C in terminal 1 prints (a real run;
+each site saw every page three times, robots.txt once per crawler)::
+
+    the demo site 127.0.0.1:8000 (Crawl-delay: 0.3) saw 33 requests (3 for robots.txt), at most 1 at once, ...
+    the demo site 127.0.0.1:8001 (Request-rate: 4/1s) saw 33 requests (3 for robots.txt), at most 1 at once, ...
+    the demo site 127.0.0.1:8002 (Disallow: /private) saw 33 requests (3 for robots.txt), at most 2 at once, ...
+
+Redis is ``--url`` (or ``--redis``), else ``$AIOSEM_REDIS_URL``, else
+``memory://`` (aiosem's ``memory`` extra), which limits this one
+process only. A progress bar is drawn on stderr when it is a terminal,
+unless ``--quiet``; the summary goes to stdout, ending with one line
+``crawled N pages from H hosts in S s; R refused by robots.txt, E
+errors``, or as JSON with ``--json``.
+
+Crawlers sharing a Redis must agree on ``--per-host``: a semaphore in use
+refuses another limit with `aiosem.LimitMismatch`, and the crawler that
+asked for it stops with one line on stderr and exit status 1, as it does
+when Redis fails. Ctrl-C stops a crawl with status 130.
 """
 
 from __future__ import annotations
@@ -42,6 +70,8 @@ import json
 import os
 import random
 import re
+import signal
+import sys
 import time
 from collections import deque
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
@@ -53,6 +83,7 @@ from urllib.robotparser import RobotFileParser
 
 import aiohttp
 import anyio
+import redis
 from aiohttp import web
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -69,6 +100,10 @@ MAX_PAGES = 200
 USER_AGENT = "aiosem-crawler"
 #: The most of a response read; RFC 9309 asks crawlers to parse at least 500 KiB of a robots.txt.
 MAX_BYTES = 512 * 1024
+#: The crawl delay assumed for the request that reads a host's robots.txt, before the host's own is known.
+FIRST_DELAY = 1.0
+#: The redirects of a robots.txt followed; RFC 9309 asks for at least five.
+ROBOTS_REDIRECTS = 5
 DEFAULT_PORTS = {"http": 80, "https": 443}
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600}
 _CRAWL_DELAY = re.compile(r"\s*crawl-delay\s*:\s*(\d*\.?\d+)\s*(#.*)?", re.IGNORECASE)
@@ -212,6 +247,8 @@ class Crawler:
         self._robots: dict[str, Robots] = {}
         self._reading: dict[str, asyncio.Lock] = {}
         self.hosts: dict[str, Host] = {}
+        #: An error of the limits themselves, which ended the crawl.
+        self._failure: aiosem.SemaphoreError | redis.RedisError | None = None
         self._progress = progress
         self._rows: dict[str, TaskID] = {}
         self._total = progress.add_task("all hosts", total=None, note="")
@@ -222,11 +259,22 @@ class Crawler:
         self._fetch_page = per_host_limit(self._get_page)
 
     async def run(self, seeds: Sequence[str]) -> None:
+        """Crawl until no URL is left or the budget is spent.
+
+        Raises:
+            aiosem.SemaphoreError: Such as `aiosem.LimitMismatch`: another
+                process uses a host's semaphore with another ``per_host``.
+            redis.RedisError: Redis failed or could not be reached.
+        """
         self._seed_hosts = {host_of(seed) for seed in seeds}
         async with anyio.create_task_group() as group:
             for seed in seeds:
                 self._discover(seed)
             self._start(group)
+        if self._failure is not None:
+            # Raised alone: out of the task group, it would have come
+            # wrapped in an ExceptionGroup, with one copy per task it hit.
+            raise self._failure
         for name, row in self._rows.items():
             self._progress.update(row, total=self.hosts[name].pages)
 
@@ -237,7 +285,7 @@ class Crawler:
 
     def _start(self, group: TaskGroup) -> None:
         """Visit the frontier's URLs, as many as the budget allows; a task each, waiting in the limits."""
-        while self._frontier and self._budget > 0:
+        while self._frontier and self._budget > 0 and not group.cancel_scope.cancel_called:
             self._budget -= 1
             group.start_soon(self._visit, self._frontier.popleft(), group)
 
@@ -257,6 +305,11 @@ class Crawler:
             host.pages += 1
             for link in response.links(url):
                 self._discover(link)
+        except (aiosem.SemaphoreError, redis.RedisError) as error:
+            # Not this page's fault but the limits': no request may go out
+            # unlimited, so the whole crawl ends, and `run` raises the first.
+            self._failure = self._failure or error
+            group.cancel_scope.cancel()
         finally:
             self._start(group)
             self._show(host_of(url))
@@ -287,15 +340,24 @@ class Crawler:
 
     async def _read_robots(self, url: str) -> Robots:
         parts = urlsplit(url)
+        location: str | None = urlunsplit((parts.scheme, parts.netloc, "/robots.txt", "", ""))
+        response = None
         try:
-            response = await self._fetch_robots(urlunsplit((parts.scheme, parts.netloc, "/robots.txt", "", "")))
+            # Redirects followed here, not by aiohttp: each hop is a request
+            # to its own host, which goes through that host's limits.
+            for _ in range(ROBOTS_REDIRECTS):
+                if location is None:
+                    break
+                response = await self._fetch_robots(location)
+                location = None if response.location is None else normalize(response.location, location)
         except (aiohttp.ClientError, TimeoutError):
             response = None
-        # RFC 9309: a robots.txt that is unavailable (4xx) allows everything;
-        # one that is unreachable (5xx, no answer) allows nothing.
+        # RFC 9309: a robots.txt that is unavailable (4xx, or still a
+        # redirect after so many) allows everything; one that is unreachable
+        # (5xx, no answer) allows nothing.
         if response is None or response.status >= 500:  # noqa: PLR2004 -- HTTP's server errors
             lines = ["User-agent: *", "Disallow: /"]
-        elif response.status >= 400:  # noqa: PLR2004 -- HTTP's client errors
+        elif response.status >= 300:  # noqa: PLR2004 -- HTTP's redirects and client errors
             lines = []
         else:
             lines = response.text.splitlines()
@@ -311,8 +373,12 @@ class Crawler:
         return Robots(parser, aiosem.rate_limiter(limit_name(url), rate.requests, per=rate.seconds))
 
     async def _get_robots(self, url: str) -> Response:
-        # No slot: the rate is what this very request is about to tell.
-        return await self._get(url, follow_redirects=True)
+        # The host's rate is what this very request is about to tell: until
+        # then, FIRST_DELAY. GCRA spaces the request after each slot by that
+        # slot's own interval, so the next request to the host, from any
+        # process, starts at least FIRST_DELAY after this one.
+        async with aiosem.rate_limiter(limit_name(url), 1, per=FIRST_DELAY):
+            return await self._get(url)
 
     async def _get_page(self, url: str) -> Response:
         # The permit first (the decorator), then the slot, then the request.
@@ -322,10 +388,10 @@ class Crawler:
         # permit holders reserve slots, so at most --per-host reservations
         # per host are outstanding, however many URLs wait.
         async with self._robots[host_of(url)].slot:
-            return await self._get(url, follow_redirects=False)
+            return await self._get(url)
 
-    async def _get(self, url: str, *, follow_redirects: bool) -> Response:
-        async with self._session.get(url, allow_redirects=follow_redirects) as response:
+    async def _get(self, url: str) -> Response:
+        async with self._session.get(url, allow_redirects=False) as response:
             body = bytearray()
             async for chunk in response.content.iter_chunked(64 * 1024):
                 body += chunk
@@ -367,18 +433,20 @@ class DemoSite:
         self.url = ""
         self.others: list[str] = []
         self._running = 0
-        #: The most requests it served at once, and when each page request started.
-        self.most = 0
+        #: When each request arrived, robots.txt included; how many were for robots.txt; the most served at once.
         self.starts: list[float] = []
+        self.robots_requests = 0
+        self.most = 0
 
     async def handle(self, request: web.Request) -> web.Response:
+        self.starts.append(time.monotonic())
         self._running += 1
         self.most = max(self.most, self._running)
         try:
+            await asyncio.sleep(random.uniform(0.05, 0.15))  # the work of serving a request
             if request.path == "/robots.txt":
+                self.robots_requests += 1
                 return web.Response(text=self.robots)
-            self.starts.append(time.monotonic())
-            await asyncio.sleep(random.uniform(0.05, 0.15))  # the work of serving a page
             number = 0 if request.path == "/" else int(request.path.rsplit("/", 1)[-1])
             children = [child for child in (2 * number + 1, 2 * number + 2) if child < DEMO_PAGES]
             links = [f'<a href="/page/{child}">page {child}</a>' for child in children]
@@ -392,28 +460,59 @@ class DemoSite:
         gaps = [later - earlier for earlier, later in itertools.pairwise(self.starts)]
         return {
             "robots.txt": self.robots.splitlines()[-1],
+            "requests": len(self.starts),
+            "robots_txt_requests": self.robots_requests,
             "most_at_once": self.most,
             "closest_starts": min(gaps, default=None),
         }
 
 
 @asynccontextmanager
-async def demo_sites() -> AsyncIterator[list[DemoSite]]:
-    """Three `DemoSite` on loopback ports, linking to each other, served in this event loop."""
+async def demo_sites(port: int = 0) -> AsyncIterator[list[DemoSite]]:
+    """Three `DemoSite` linking to each other, served in this event loop on ``port`` and the next two (0: any free)."""
     sites = [DemoSite(robots, private) for robots, private in DEMO_SITES]
     async with AsyncExitStack() as stack:
-        for site in sites:
+        for number, site in enumerate(sites):
             app = web.Application()
             for path in ("/", "/robots.txt", r"/page/{number:\d+}", r"/private/{number:\d+}"):
                 app.router.add_get(path, site.handle)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            await web.TCPSite(runner, "127.0.0.1", port + number if port else 0).start()
             site.url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
         for site in sites:
             site.others = [other.url for other in sites if other is not site]
         yield sites
+
+
+def show_sites(saw: dict[str, dict[str, Any]]) -> None:
+    for name, site in saw.items():
+        closest = "" if site["closest_starts"] is None else f", starting at least {site['closest_starts']:.3f} s apart"
+        print(
+            f"the demo site {name} ({site['robots.txt']}) saw {site['requests']} requests "
+            f"({site['robots_txt_requests']} for robots.txt), at most {site['most_at_once']} at once{closest}"
+        )
+
+
+async def serve(arguments: argparse.Namespace) -> None:
+    """Serve the demo sites for crawlers of other processes until Ctrl-C or SIGTERM; then say what each saw."""
+    # SIGTERM too, and taken over from the shell: a job started with `&`
+    # from a script ignores SIGINT, so `kill %1` must stop it as well.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as stop:
+        async with demo_sites(arguments.port) as sites:
+            urls = " ".join(site.url for site in sites)
+            if arguments.json:
+                print(json.dumps({"sites": [site.url for site in sites]}), flush=True)
+            else:
+                print(f"serving the demo sites {urls} until Ctrl-C; crawl them from several terminals with", flush=True)
+                print(f"    python examples/crawler.py --url redis://localhost:6379/0 {urls}", flush=True)
+            await anext(aiter(stop))
+    saw = {host_of(site.url): site.report() for site in sites}
+    if arguments.json:
+        print(json.dumps(saw))
+    else:
+        show_sites(saw)
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -434,12 +533,26 @@ def positive(value: str) -> int:
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Crawl the seeds' hosts, obeying robots.txt and per-host limits.")
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    # A subcommand by hand: argparse would take every seed URL for one.
+    if arguments[:1] == ["serve"]:
+        serving = argparse.ArgumentParser(
+            prog="crawler.py serve", description="Serve the demo sites until Ctrl-C, for crawlers of other processes."
+        )
+        serving.add_argument("--port", type=positive, default=0, help="the first of three (default: any free)")
+        serving.add_argument("--json", action="store_true", help="print the URLs, then what the sites saw, as JSON")
+        return serving.parse_args(arguments[1:], argparse.Namespace(command="serve"))
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [options] [SEED_URL ...]\n       %(prog)s serve [--port PORT] [--json]",
+        description="Crawl the seeds' hosts, obeying robots.txt and per-host limits.",
+        epilog="crawler.py serve: serve the demo sites alone, for several crawlers (see crawler.py serve --help)",
+    )
     parser.add_argument("seeds", nargs="*", type=seed_url, metavar="SEED_URL", help="default: start demo sites")
     parser.add_argument(
+        "--url",
         "--redis",
         default=os.environ.get("AIOSEM_REDIS_URL") or "memory://",
-        help="where the limits live (default: $AIOSEM_REDIS_URL, else memory://, this process only)",
+        help="the Redis the limits live in (default: $AIOSEM_REDIS_URL, else memory://, this process only)",
     )
     parser.add_argument(
         "--per-host", type=positive, default=PER_HOST, help=f"requests to a host at once (default {PER_HOST})"
@@ -452,7 +565,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    return parser.parse_args(arguments, argparse.Namespace(command="crawl"))
 
 
 async def crawl(arguments: argparse.Namespace) -> dict[str, Any]:
@@ -510,11 +623,7 @@ def show(summary: dict[str, Any]) -> None:
             f"{name}: {host['pages']} pages, {host['refused']} refused by robots.txt, {host['errors']} errors; "
             f"robots.txt {host['robots_status'] or 'unreachable'}, {rate}"
         )
-    for name, saw in summary.get("demo_sites_saw", {}).items():
-        print(
-            f"the demo site {name} ({saw['robots.txt']}) saw at most {saw['most_at_once']} at once, "
-            f"pages started at least {saw['closest_starts']:.3f} s apart"
-        )
+    show_sites(summary.get("demo_sites_saw", {}))
     print(
         f"crawled {summary['pages']} pages from {len(summary['hosts'])} host{'s' * (len(summary['hosts']) != 1)} "
         f"in {summary['seconds']:.1f} s; "
@@ -523,7 +632,10 @@ def show(summary: dict[str, Any]) -> None:
 
 
 async def main(arguments: argparse.Namespace) -> None:
-    aiosem.configure(url=arguments.redis)
+    if arguments.command == "serve":
+        await serve(arguments)
+        return
+    aiosem.configure(url=arguments.url)
     try:
         summary = await crawl(arguments)
     finally:
@@ -535,4 +647,11 @@ async def main(arguments: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_arguments()))
+    try:
+        asyncio.run(main(parse_arguments()))
+    except KeyboardInterrupt:
+        sys.exit(130)  # what a shell reports of a command ended by Ctrl-C (128 + SIGINT), without a traceback
+    except aiosem.LimitMismatch as error:
+        sys.exit(f"crawler: {error} (every crawler sharing a Redis must give the same --per-host)")
+    except (aiosem.SemaphoreError, redis.RedisError) as error:
+        sys.exit(f"crawler: {error}")

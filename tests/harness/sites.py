@@ -2,7 +2,7 @@
 
 `serve` starts them in a thread with an event loop of its own, so that a
 test can run crawlers with a blocking ``subprocess.run`` while the sites
-answer. Each site serves a robots.txt (or an error status), and pages linked as a
+answer. Each site serves a robots.txt (or an error status; or a redirect to it), and pages linked as a
 binary tree from ``/`` (page *n* links to pages 2n + 1 and 2n + 2, once with
 a fragment, so that only a crawler which drops fragments fetches each page
 once), back to ``/``, to every other site served with it, and optionally to
@@ -41,6 +41,8 @@ class SiteSpec:
     pages: int
     #: Each page links to ``/private/n`` too.
     private: bool = False
+    #: /robots.txt redirects here (301), where ``robots`` is served.
+    robots_moved_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Site:
         self.host = f"127.0.0.1:{port}"
         self.others: list[str] = []
         self._visits: list[Visit] = []
-        self._lock = threading.Lock()
+        self._logged = threading.Condition()
 
     def __repr__(self) -> str:
         return f"Site({self.url!r}, {self.spec!r})"
@@ -81,8 +83,13 @@ class Site:
 
     def visits(self) -> list[Visit]:
         """The access log so far, in the order the requests ended."""
-        with self._lock:
+        with self._logged:
             return list(self._visits)
+
+    def wait_for_visits(self, count: int, timeout: float) -> bool:
+        """Wait until the access log holds ``count`` requests; ``False`` if it still does not after ``timeout``."""
+        with self._logged:
+            return self._logged.wait_for(lambda: len(self._visits) >= count, timeout)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
@@ -90,12 +97,15 @@ class Site:
             return await self._answer(request.path)
         finally:
             visit = Visit(request.path, request.headers.get("User-Agent", ""), start, time.monotonic())
-            with self._lock:
+            with self._logged:
                 self._visits.append(visit)
+                self._logged.notify_all()
 
     async def _answer(self, path: str) -> web.StreamResponse:
         await asyncio.sleep(random.uniform(*ANSWER_TIME))
-        if path == "/robots.txt":
+        if path == "/robots.txt" and self.spec.robots_moved_to is not None:
+            raise web.HTTPMovedPermanently(self.spec.robots_moved_to)
+        if path == (self.spec.robots_moved_to or "/robots.txt"):
             if isinstance(self.spec.robots, int):
                 return web.Response(status=self.spec.robots)
             return web.Response(text=self.spec.robots)
