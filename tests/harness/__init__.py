@@ -3,9 +3,10 @@
 Imported by the tests and by ``benchmarks/harness.py``; tested by the
 ``test_*.py`` modules beside it.
 
-- `support`: our own ``redis-server`` processes (`RedisServer`), the ACL
-  mode's restricted user, a hand-moved clock, waits for a waiter to queue or
-  subscribe.
+- `support`: our own ``redis-server`` processes (`RedisServer`), which
+  server software answers (`Software`: Redis or Valkey, and its version),
+  the ACL mode's restricted user, a hand-moved clock, waits for a waiter to
+  queue or subscribe.
 - `topology`: a Redis Cluster that moves slots and a Sentinel group that
   fails over, built from `RedisServer` processes; the cluster hash tag rule.
 - `proxy`: `TcpProxy`, a TCP proxy that delays, holds, drops, black-holes and

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 from urllib.parse import quote
 
 import anyio
@@ -52,18 +52,19 @@ class AclUser:
     password: str
     rules: tuple[str, ...]
 
-    def _rules_for(self, version: str) -> tuple[str, ...]:
-        if SETINFO in self.rules and _version(version) < (7, 2):
+    def rules_for(self, server: Software) -> tuple[str, ...]:
+        """The rules as ``server`` takes them: without `SETINFO` where the command does not exist."""
+        if SETINFO in self.rules and not server.has_client_setinfo:
             return tuple(rule for rule in self.rules if rule != SETINFO)
         return self.rules
 
-    def setuser(self, version: str) -> tuple[str, ...]:
-        """The ``ACL SETUSER`` command that makes this user from scratch on a Redis of ``version``."""
-        return ("ACL", "SETUSER", self.name, "reset", "on", f">{self.password}", *self._rules_for(version))
+    def setuser(self, server: Software) -> tuple[str, ...]:
+        """The ``ACL SETUSER`` command that makes this user from scratch on ``server``."""
+        return ("ACL", "SETUSER", self.name, "reset", "on", f">{self.password}", *self.rules_for(server))
 
-    def directive(self, version: str) -> tuple[str, ...]:
-        """The ``--user`` command-line argument that makes this user as a Redis of ``version`` starts."""
-        return ("--user", self.name, "on", f">{self.password}", *self._rules_for(version))
+    def directive(self, server: Software) -> tuple[str, ...]:
+        """The ``--user`` command-line argument that makes this user as ``server`` starts."""
+        return ("--user", self.name, "on", f">{self.password}", *self.rules_for(server))
 
     def credentials(self) -> str:
         """``user:password@``, as a URL carries them."""
@@ -105,8 +106,8 @@ REPLICA_COMMANDS: Final = ("+wait",)
 #: What the suite's own clients add: some name their connections, to find them in CLIENT LIST.
 #: aiosem never does; an application that sets ``client_name`` needs it too.
 TEST_COMMANDS: Final = ("+client|setname",)
-#: Sent by redis-py on every connection, its refusal ignored, to a Redis that has it (7.2 and later);
-#: an older Redis refuses the rule itself, as an unknown command.
+#: Sent by redis-py on every connection, its refusal ignored, to a server that has it (Redis 7.2 and later,
+#: Valkey); Redis 7.0 refuses the rule itself, as an unknown command (`AclUser` leaves it out there).
 SETINFO: Final = "+client|setinfo"
 #: The refusals aiosem expects and takes in its stride: it asks for the eviction policy once per
 #: client, and a user may not read the configuration (CONFIG GET would show it ``requirepass`` too).
@@ -137,18 +138,54 @@ SUITE_USER: Final = AclUser("aiosem-suite", secrets.token_hex(16), SUITE_RULES)
 _AUDITOR: Final = AclUser("aiosem-auditor", secrets.token_hex(16), ("-@all", "+acl|log"))
 
 
+@dataclass(frozen=True, slots=True)
+class Software:
+    """Which server software a binary or a process is, for the tests whose expectations differ by server.
+
+    Valkey answers ``redis_version:7.2.4`` in INFO whatever its own version, for
+    the clients that check it: its version is ``valkey_version``.
+    """
+
+    name: Literal["redis", "valkey"]
+    version: tuple[int, ...]
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> Software:
+        """The server that answered ``info``, INFO's ``server`` section."""
+        if info.get("server_name") == "valkey":
+            return cls("valkey", _version(str(info["valkey_version"])))
+        return cls("redis", _version(str(info["redis_version"])))
+
+    @property
+    def has_client_setinfo(self) -> bool:
+        """Whether it has ``CLIENT SETINFO``, which redis-py sends on every connection: Redis 7.2 and later, Valkey."""
+        return self.name == "valkey" or self.version >= (7, 2)
+
+    @property
+    def refuses_reads_in_a_transaction_when_full(self) -> bool:
+        """Whether a ``MULTI`` of reads only is refused over ``maxmemory``: Redis before 7.4 queues nothing then.
+
+        redis/redis#12961 (Redis 7.4) let a transaction of commands that need
+        no memory run; Valkey has it from 8.0, its first release after the fork.
+        """
+        return self.version < ((7, 4) if self.name == "redis" else (8,))
+
+    def __str__(self) -> str:
+        return f"{self.name.capitalize()} {'.'.join(map(str, self.version))}"
+
+
 def _version(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
 @functools.cache
-def binary_version(binary: str) -> str:
-    """The version of a ``redis-server`` binary, as ``redis-server --version`` prints it (``7.0.15``)."""
+def binary_software(binary: str) -> Software:
+    """The server a binary is, as ``--version`` prints it (``Redis server v=7.0.15``, ``Valkey server v=9.1.2``)."""
     printed = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    match = re.search(r"\bv=(\d+(?:\.\d+)*)", printed)
+    match = re.match(r"(Redis|Valkey) server v=(\d+(?:\.\d+)*)", printed)
     if match is None:
-        raise RuntimeError(f"{binary} --version printed no version: {printed!r}")
-    return match[1]
+        raise RuntimeError(f"{binary} --version printed no server and version: {printed!r}")
+    return Software("valkey" if match[1] == "Valkey" else "redis", _version(match[2]))
 
 
 def find_redis_server() -> str | None:
@@ -180,6 +217,8 @@ class RedisServer:
         self.host = "127.0.0.1"
         self.port = 0
         self.version = ""
+        #: Which server software answers, from INFO, once started.
+        self.software: Software | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self.user = user if user is not None or not ACL_MODE else SUITE_USER
         #: Whether the user exists on the running process (not so for a subclass that starts otherwise).
@@ -260,8 +299,8 @@ class RedisServer:
         """The users to create as the server starts: before anyone connects, restarts included."""
         if self.user is None:
             return ()
-        version = binary_version(self.binary)
-        return (*self.user.directive(version), *_AUDITOR.directive(version))
+        server = binary_software(self.binary)
+        return (*self.user.directive(server), *_AUDITOR.directive(server))
 
     def _read_denials(self) -> None:
         """Move the ACL log's entries about the user to `_denials`, and clear the log."""
@@ -301,6 +340,7 @@ class RedisServer:
                     time.sleep(0.02)
                     continue
                 self.version = str(info["redis_version"])
+                self.software = Software.from_info(info)
                 return int(info["process_id"]) == self.process.pid
         finally:
             probe.close()

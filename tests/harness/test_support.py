@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import fakeredis
 
-from tests.harness.support import FakeClock, RedisServer, flushed_client, unrestricted
+from tests.harness.support import FakeClock, RedisServer, Software, binary_software, flushed_client, unrestricted
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -38,6 +38,34 @@ def test_a_server_starts_on_a_free_port_and_stops_by_its_pid(redis_binary: str, 
     assert server.process is None
     assert refuses(server.port)
     server.stop()  # twice: nothing to do
+
+
+def test_the_software_a_binary_names_is_the_one_that_answers(redis_binary: str, tmp_path: Path) -> None:
+    with RedisServer(redis_binary, tmp_path) as server:
+        assert server.software == binary_software(redis_binary)
+
+
+def test_valkey_is_known_by_its_own_version_not_the_redis_version_it_answers() -> None:
+    valkey = Software.from_info({"redis_version": "7.2.4", "server_name": "valkey", "valkey_version": "9.1.2"})
+    assert valkey == Software("valkey", (9, 1, 2))
+    assert Software.from_info({"redis_version": "7.0.15"}) == Software("redis", (7, 0, 15))
+
+
+def test_client_setinfo_is_known_to_redis_7_2_and_later_and_to_valkey() -> None:
+    assert not Software("redis", (7, 0, 15)).has_client_setinfo
+    assert Software("redis", (7, 2, 0)).has_client_setinfo
+    assert Software("valkey", (7, 2, 5)).has_client_setinfo
+
+
+def test_a_transaction_of_reads_is_refused_when_full_by_redis_before_7_4_and_valkey_before_8() -> None:
+    servers = [
+        Software("redis", (7, 2, 9)),
+        Software("redis", (7, 4, 0)),
+        Software("valkey", (7, 2, 5)),
+        Software("valkey", (8, 0, 0)),
+    ]
+    refused = [server.refuses_reads_in_a_transaction_when_full for server in servers]
+    assert refused == [True, False, True, False]
 
 
 def test_a_killed_server_comes_back_on_its_port_and_a_saved_one_with_its_data(
