@@ -28,7 +28,9 @@ import redis.asyncio
 from . import recipes
 from ._exceptions import PermitLost
 from ._fair import AsyncFairSemaphore
+from ._keys import SemaphoreKeys
 from ._locked import AsyncLockedSemaphore
+from ._options import DEFAULT_PREFIX
 from ._scripts import ALL_SCRIPTS
 from ._timing import Backoff, Deadline
 from ._urls import close, connect
@@ -76,6 +78,16 @@ class Config:
     @property
     def ready_key(self) -> str:
         return f"aiosem-demo:{{{self.name}}}:ready"
+
+    @property
+    def semaphore_keys(self) -> tuple[str, ...]:
+        """The keys the run's semaphore may leave, but for receipts of releases, which expire within seconds."""
+        if self.kind in ("fair", "locked"):
+            keys = SemaphoreKeys.for_name(DEFAULT_PREFIX, self.name)
+        else:
+            # The recipes take the name as their key, as the book does.
+            keys = SemaphoreKeys(self.name)
+        return (*keys.fair, keys.rate, keys.lock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +230,9 @@ async def _watch(config: Config, on_tick: Callable[[int, float], None] | None) -
                 total += future.result()
             return total
     finally:
-        await watcher.delete(config.in_use_key, config.ready_key)
+        # Every worker has ended: the run's keys go, its fencing counter with
+        # them -- the name is the run's own, and nobody will hold it again.
+        await watcher.delete(config.in_use_key, config.ready_key, *config.semaphore_keys)
         await close(watcher)
 
 
