@@ -87,7 +87,8 @@ class Config:
         else:
             # The recipes take the name as their key, as the book does.
             keys = SemaphoreKeys(self.name)
-        return (*keys.fair, keys.rate, keys.lock)
+        # The fair class never takes the step lock, and its ACL line may not reach it.
+        return (*keys.fair, keys.rate) if self.kind == "fair" else (*keys.fair, keys.rate, keys.lock)
 
 
 @dataclass(frozen=True, slots=True)
