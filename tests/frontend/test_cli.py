@@ -12,6 +12,7 @@ import asyncio
 import importlib.metadata
 import io
 import json
+import multiprocessing
 import os
 import secrets
 import signal
@@ -167,6 +168,29 @@ async def test_a_holder_is_shown_with_its_host_process_id_and_label(
         "billing worker",
     ]
     assert row[6] == "10 s"
+
+
+def _hold_in_forked_child(semaphore: AsyncFairSemaphore) -> None:
+    async def hold() -> None:
+        assert await semaphore.acquire() is not None  # and left to its lease: the parent reads it
+
+    asyncio.run(hold())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_forked_childs_holder_is_shown_with_the_childs_process_id(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("forked")
+    # Made, and its record read, in the parent; used only in the child.
+    semaphore = AsyncFairSemaphore(redis.asyncio.Redis.from_url(redis_server.url), name, 1, label="child")
+    assert json.loads(semaphore._settings.record())[1] == os.getpid()
+    child = multiprocessing.get_context("fork").Process(target=_hold_in_forked_child, args=(semaphore,))
+    child.start()
+    await anyio.to_thread.run_sync(child.join, 60)
+    assert child.exitcode == 0
+    (holder,) = (await one_status(capsys, redis_server.url, name))["holders"]
+    assert (holder["pid"], holder["label"]) == (child.pid, "child")
 
 
 async def test_a_holder_without_a_label_shows_none(
