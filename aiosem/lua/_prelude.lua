@@ -139,15 +139,30 @@ end
 -- without one (a book client) writes nothing.
 local function aiosem_enter(identifier, state)
   if state.record ~= '' then
+    state.forgotten[identifier] = nil
     redis.call('HSET', HOLDERS, identifier, state.record)
   end
 end
 
--- Drop the records of identifiers that neither hold nor wait any more.
--- Records left by identifiers that went another way -- a key evicted or
--- expired, a book client's ZREM -- go with the rest once nobody holds or
--- waits (see aiosem_run).
-local function aiosem_forget(members)
+-- Note that the records of `members`, which neither hold nor wait any
+-- more, are to go: at the end of the step (aiosem_forget_now), or with the
+-- whole hash if the step leaves nobody holding or waiting -- one command
+-- fewer for most releases. An identifier entered again meanwhile keeps its
+-- new record.
+local function aiosem_forget(members, state)
+  for _, member in ipairs(members) do
+    state.forgotten[member] = true
+  end
+end
+
+-- HDEL the records aiosem_forget noted. Records left by identifiers that
+-- went another way -- a key evicted or expired, a book client's ZREM -- go
+-- with the whole hash once nobody holds or waits (see aiosem_run).
+local function aiosem_forget_now(state)
+  local members = {}
+  for member in pairs(state.forgotten) do
+    members[#members + 1] = member
+  end
   for i = 1, #members, 1000 do
     redis.call('HDEL', HOLDERS, unpack(members, i, math.min(i + 999, #members)))
   end
@@ -219,7 +234,7 @@ local function aiosem_reap(state)
   if #expired > 0 then
     leases = leases - aiosem_zrem_counted(TIMEOUTS, expired)
     held = held - aiosem_zrem_counted(OWNERS, expired)
-    aiosem_forget(expired)
+    aiosem_forget(expired, state)
   end
   if held ~= leases or (held > 0 and redis.call('ZINTERCARD', 2, OWNERS, TIMEOUTS) ~= held) then
     redis.call('ZINTERSTORE', OWNERS, 2, OWNERS, TIMEOUTS, 'WEIGHTS', 1, 0)
@@ -231,12 +246,12 @@ end
 
 -- Forget waiters that stopped proving they are alive; return how many are
 -- left in the queue.
-local function aiosem_reap_waiters(now)
-  local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(now))
+local function aiosem_reap_waiters(state)
+  local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(state.now))
   if #dead > 0 then
     aiosem_zrem_all(QUEUE, dead)
     aiosem_zrem_all(WAITERS, dead)
-    aiosem_forget(dead)
+    aiosem_forget(dead, state)
   end
   return redis.call('ZCARD', QUEUE)
 end
@@ -374,8 +389,8 @@ end
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, record, `spared` (see
--- aiosem_reap), `freed` (permits given up
+-- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, record,
+-- `forgotten` (see aiosem_forget), `spared` (see aiosem_reap), `freed` (permits given up
 -- by the operation, which matter when the limit is unknown), the counts
 -- `holders` and `queued`, which every write keeps up to date, and
 -- `waiters_written`, which an operation sets when it queues a waiter or
@@ -394,6 +409,7 @@ local function aiosem_run(operation, hand_off_first)
     receipt_seconds = tonumber(ARGV[10]),
     relays = ARGV[11] == '1',
     record = ARGV[12],
+    forgotten = {},
     waiters_written = false,
   }
   -- Checked before anything is written: a script refused half-way would leave
@@ -408,7 +424,7 @@ local function aiosem_run(operation, hand_off_first)
   -- at all, and a full server never takes its holders' leases from them.
   redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
   state.freed, state.holders = aiosem_reap(state)
-  state.queued = aiosem_reap_waiters(state.now)
+  state.queued = aiosem_reap_waiters(state)
   local granted, relayed = {}, {}
   local function hand_off()
     local free = state.freed
@@ -437,6 +453,7 @@ local function aiosem_run(operation, hand_off_first)
     -- of anybody who holds or waits.
     redis.call('DEL', LIMIT, HOLDERS)
   else
+    aiosem_forget_now(state)
     aiosem_persist_permits()
   end
   local reply = aiosem_header(state, relayed)

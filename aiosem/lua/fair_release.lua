@@ -28,7 +28,7 @@
 local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
-    aiosem_forget({identifier})
+    aiosem_forget({identifier}, state)
     state.freed = state.freed + 1
     state.holders = state.holders - 1
     return 1
@@ -36,7 +36,7 @@ local function release(identifier, state)
   if state.mode == MODE_CANCEL then
     if redis.call('ZREM', QUEUE, identifier) == 1 then
       redis.call('ZREM', WAITERS, identifier)
-      aiosem_forget({identifier})
+      aiosem_forget({identifier}, state)
       state.queued = state.queued - 1
     else
       -- Old tombstones go whenever a new one is written.
