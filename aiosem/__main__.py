@@ -1,10 +1,11 @@
 """The ``aiosem`` command line.
 
-============================================  =====================================================
-``aiosem demo [--url URL]``                   worker processes share one limit, watched live
-``aiosem status [NAME...] [--json]``          limit, holders, waiters, tokens and rate, from Redis
-``aiosem reset NAME [--yes] [--rate]``        clear a stuck semaphore; its fencing counter stays
-============================================  =====================================================
+==============================================  =====================================================
+``aiosem demo [--url URL]``                     worker processes share one limit, watched live
+``aiosem status [NAME...] [--json] [--watch]``  limit, holders, waiters, tokens and rate, from Redis
+``aiosem reset NAME [--yes] [--rate]``          clear a stuck semaphore; its fencing counter stays
+``aiosem --version``                            the installed version
+==============================================  =====================================================
 
 ``status`` and ``reset`` take the Redis URL from ``--url``, else from
 ``AIOSEM_REDIS_URL``. Exit statuses: 0 done; 1 a named semaphore does not
@@ -12,17 +13,23 @@ exist, or a reset was not confirmed; 2 a usage error (as argparse's), no URL,
 or no ``rich`` for the table; 3 Redis failed or could not be reached; 130
 Ctrl-C; 141 the reader of the output left (``| head``). A failure is told
 in one line on stderr. Passwords in URLs are never printed.
+
+``demo`` takes ``--url``, else ``AIOSEM_REDIS_URL``, else serves an
+embedded store. A ``status`` NAME with ``*``, ``?`` or ``[`` is a pattern
+(``'demo-*'``); ``--watch`` redraws until Ctrl-C, which ends it with 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
 import secrets
 import sys
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 from urllib.parse import unquote, unquote_plus
 
@@ -43,7 +50,11 @@ from ._validation import check_name, check_timeout
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from rich.console import Console
+    from rich.text import Text
+
     from ._connection import Client
+    from ._keys import Record
     from ._status import SemaphoreStatus
 
 T = TypeVar("T")
@@ -55,6 +66,10 @@ _DEFAULT_TIMEOUT: Final = Settings().timeout
 _AMBIGUOUS: Final = re.compile("[/?#]")
 #: The start of a redis-py object's repr; the group is the class's name.
 _REDIS_REPR: Final = re.compile(r"<redis\.(?:\w+\.)*(\w+)")
+#: How often ``status --watch`` reads again, in seconds, unless told.
+_WATCH_INTERVAL: Final = 2.0
+#: What makes a ``status`` argument a pattern of names rather than a name.
+_GLOB: Final = re.compile(r"[*?\[]")
 #: The width tables are drawn at when the output is not a terminal.
 _UNFOLDED: Final = 1000
 _SCHEMES: Final = (*SERVER_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
@@ -155,13 +170,16 @@ def _add_redis_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiosem", description="Distributed counting semaphores on Redis.")
+    parser.add_argument("--version", action="version", version=f"aiosem {version('aiosem')}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
         help="worker processes share one limit; watch that it is never exceeded",
         description="Several worker processes share one limit; a live view shows how many hold at once.",
     )
-    demo.add_argument("--url", help="a Redis URL (default: an embedded fakeredis server on a loopback port)")
+    demo.add_argument(
+        "--url", help=f"a Redis URL (default: ${ENV_URL}, else an embedded fakeredis server on a loopback port)"
+    )
     demo.add_argument("--kind", choices=KINDS, default="fair", help="which semaphore or recipe (default: fair)")
     demo.add_argument("--workers", type=_positive_int, default=4, help="worker processes (default: 4)")
     demo.add_argument("--coroutines", type=_positive_int, default=10, help="coroutines per worker (default: 10)")
@@ -174,22 +192,37 @@ def _parser() -> argparse.ArgumentParser:
         help="show semaphores as Redis has them: limit, holders, waiters, tokens, rate",
         description=(
             "Show each named semaphore, or every one under the prefix: its limit, its holders with their "
-            "fencing tokens and what is left of their leases (remaining = last confirmation + timeout - now, "
-            "on Redis's clock), its waiters, the last fencing token, and the rate limiter of the same name."
+            "fencing tokens, host, process id and label, and what is left of their leases (remaining = last "
+            "confirmation + lease - now, on Redis's clock), its waiters in queue order, the last fencing token, "
+            "and the rate limiter of the same name."
         ),
     )
-    status.add_argument("names", nargs="*", type=_name, metavar="NAME", help="semaphores to show (default: all)")
+    status.add_argument(
+        "names",
+        nargs="*",
+        type=_name,
+        metavar="NAME",
+        help="semaphores to show, or patterns of names with *, ? or [...] (default: all)",
+    )
     _add_redis_arguments(status)
     status.add_argument(
         "--timeout",
         type=_lease,
         default=_DEFAULT_TIMEOUT,
         help=(
-            "the lease the semaphores' clients use, in seconds: Redis does not store it "
-            f"(default: {_DEFAULT_TIMEOUT:g})"
+            "the lease to assume, in seconds, for a holder that records none of its own (a client of the book's "
+            f"recipes) (default: {_DEFAULT_TIMEOUT:g})"
         ),
     )
     status.add_argument("--json", action="store_true", help="print JSON, in a documented schema, instead of a table")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=_positive_float,
+        const=_WATCH_INTERVAL,
+        metavar="SECONDS",
+        help=f"read and show again every SECONDS (default: {_WATCH_INTERVAL:g}) until Ctrl-C",
+    )
 
     reset_ = commands.add_parser(
         "reset",
@@ -250,12 +283,15 @@ def _run_demo(args: argparse.Namespace) -> int:
             hold=args.hold,
         )
 
-    if args.url is not None:
-        print(f"Redis: {redact(args.url)}")
+    # As status and reset: --url, else the environment's; memory:// there
+    # (one process's store) means the embedded server the workers can share.
+    url = args.url if args.url is not None else os.environ.get(ENV_URL) or None
+    if url is not None and not url.lower().startswith("memory://"):
+        print(f"Redis: {redact(url)}")
         try:
-            return run_demo(config(args.url), embedded=False)
+            return run_demo(config(url), embedded=False)
         except _REDIS_FAILURES as error:
-            raise _failure(error, args.url) from None
+            raise _failure(error, url) from None
     try:
         server = embedded_server()
         url = server.__enter__()
@@ -375,21 +411,54 @@ def _status(args: argparse.Namespace) -> int:
             import rich  # noqa: F401, PLC0415 -- an optional dependency, checked before Redis is read
         except ImportError:
             raise _Refusal(f"the table needs rich: {install_hint('cli')}, or pass --json", _EXIT_USAGE) from None
-    names = list(dict.fromkeys(args.names))
+    arguments = list(dict.fromkeys(args.names))
+    names = [argument for argument in arguments if not _GLOB.search(argument)]
+    patterns = [argument for argument in arguments if _GLOB.search(argument)]
 
     async def read(client: Client) -> list[SemaphoreStatus]:
-        found = names or await find_names(client, args.prefix)
+        found = names
+        if patterns or not names:
+            found = list(dict.fromkeys([*names, *await find_names(client, args.prefix, patterns)]))
         return [await read_status(client, args.prefix, name, args.timeout) for name in found]
 
+    if args.watch is not None:
+        return _watch(url, read, args)
     statuses = _on_redis(url, read)
-    if args.json:
-        print(json.dumps(_as_json(statuses, args.prefix, args.timeout), indent=2))
-    else:
-        _print_tables(statuses, args.prefix, args.timeout)
+    _show(statuses, args)
     missing = [status.name for status in statuses if not status.exists]
     for name in missing:
         print(f"aiosem status: no semaphore {name!r} under prefix {args.prefix!r}", file=sys.stderr)
     return _EXIT_NOT_FOUND if missing else 0
+
+
+def _watch(url: str, read: Callable[[Client], Awaitable[list[SemaphoreStatus]]], args: argparse.Namespace) -> int:
+    """Read and show the semaphores every ``args.watch`` seconds until Ctrl-C, which ends it quietly with 0.
+
+    A name not found is shown as such, not an error: it may appear meanwhile.
+    """
+
+    async def loop(client: Client) -> None:
+        while True:
+            _show(await read(client), args, again=True)
+            await asyncio.sleep(args.watch)
+
+    # Ctrl-C is how a watch ends: not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        _on_redis(url, loop)
+    return 0
+
+
+def _show(statuses: Sequence[SemaphoreStatus], args: argparse.Namespace, *, again: bool = False) -> None:
+    """Print ``statuses`` as JSON or as tables; ``again``: as the next frame of ``--watch``.
+
+    Watched, the JSON is one document per line (JSON Lines), and the tables
+    replace the last ones on a terminal.
+    """
+    if args.json:
+        document = _as_json(statuses, args.prefix, args.timeout)
+        print(json.dumps(document) if again else json.dumps(document, indent=2), flush=True)
+    else:
+        _print_tables(statuses, args.prefix, args.timeout, clear=again)
 
 
 def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -> dict[str, Any]:
@@ -411,13 +480,20 @@ def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -
                         "identifier": holder.identifier,
                         "fencing_token": holder.fencing_token,
                         "age": round(holder.age, 6),
+                        "lease": holder.lease,
+                        "lease_recorded": holder.record is not None,
                         "remaining": round(holder.remaining, 6),
                         "expired": holder.expired,
+                        **_who(holder.record),
                     }
                     for holder in status.holders
                 ],
                 "waiting": len(status.waiters),
-                "waiters": [{"identifier": waiter.identifier, "ticket": waiter.ticket} for waiter in status.waiters],
+                "waiters": [
+                    {"identifier": waiter.identifier, "ticket": waiter.ticket, "place": waiter.place}
+                    | _who(waiter.record)
+                    for waiter in status.waiters
+                ],
                 "rate": None if status.rate_ahead is None else {"ahead": round(status.rate_ahead, 6)},
                 "lock": (
                     None
@@ -430,8 +506,15 @@ def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -
     }
 
 
-def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -> None:
-    """One row per semaphore, then a table of the holders of each that has any."""
+def _who(record: Record | None) -> dict[str, Any]:
+    """A holder's or waiter's host, process id and label, as JSON; ``null`` each for one that recorded none."""
+    if record is None:
+        return {"host": None, "pid": None, "label": None}
+    return {"host": record.host, "pid": record.pid, "label": record.label}
+
+
+def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float, *, clear: bool = False) -> None:
+    """One row per semaphore, then a table of the holders and one of the waiters of each that has any."""
     from rich.console import Console  # noqa: PLC0415 -- an optional dependency
     from rich.table import Table  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
@@ -440,12 +523,17 @@ def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: flo
     if not console.is_terminal:
         # Piped or captured: no screen to fit, and a name folded over two lines is hard to find.
         console = Console(width=_UNFOLDED)
+    elif clear:
+        console.clear()
     if not statuses:
         console.print(Text(f"no semaphores under prefix {prefix!r}"))
         return
     summary = Table(
         title=Text(f"semaphores under prefix {prefix!r}"),
-        caption=f"remaining = last confirmation + {timeout:g} s (--timeout) - now, on Redis's clock",
+        caption=(
+            "remaining = last confirmation + lease - now, on Redis's clock; "
+            f"a lease marked * is assumed (--timeout {timeout:g}): its holder recorded none"
+        ),
     )
     for column in ("name", "limit", "held", "waiting", "last token", "rate ahead", "lock"):
         summary.add_column(column, justify="left" if column == "name" else "right")
@@ -465,20 +553,48 @@ def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: flo
         )
     console.print(summary)
     for status in statuses:
-        if not status.holders:
-            continue
+        _print_holders_and_waiters(console, status)
+
+
+def _print_holders_and_waiters(console: Console, status: SemaphoreStatus) -> None:
+    from rich.table import Table  # noqa: PLC0415 -- an optional dependency
+    from rich.text import Text  # noqa: PLC0415
+
+    if status.holders:
         holders = Table(title=Text(f"holders of {status.name!r}"))
-        for column in ("fencing token", "identifier", "age", "remaining"):
-            holders.add_column(column, justify="left" if column == "identifier" else "right")
+        for column in ("fencing token", "identifier", "host", "pid", "label", "age", "lease", "remaining"):
+            holders.add_column(column, justify="right" if column in _NUMERIC else "left")
         for holder in status.holders:
             holders.add_row(
                 str(holder.fencing_token),
                 Text(holder.identifier),
+                *_who_cells(holder.record),
                 f"{holder.age:.3f} s",
+                f"{holder.lease:g} s" if holder.record is not None else f"{holder.lease:g} s *",
                 "expired" if holder.expired else f"{holder.remaining:.3f} s",
                 style="dim" if holder.expired else None,
             )
         console.print(holders)
+    if status.waiters:
+        waiters = Table(title=Text(f"waiters of {status.name!r}, in queue order"))
+        for column in ("place", "identifier", "host", "pid", "label"):
+            waiters.add_column(column, justify="right" if column in _NUMERIC else "left")
+        for waiter in status.waiters:
+            waiters.add_row(str(waiter.place), Text(waiter.identifier), *_who_cells(waiter.record))
+        console.print(waiters)
+
+
+#: The columns of the holders' and waiters' tables that are right-justified.
+_NUMERIC: Final = frozenset(("fencing token", "pid", "age", "lease", "remaining", "place"))
+
+
+def _who_cells(record: Record | None) -> tuple[Text, str, Text]:
+    """Host, process id and label, for a table: '-' for what was not recorded."""
+    from rich.text import Text  # noqa: PLC0415 -- an optional dependency
+
+    if record is None:
+        return Text("-"), "-", Text("-")
+    return Text(record.host), str(record.pid), Text("-" if record.label is None else record.label)
 
 
 def _lock_cell(status: SemaphoreStatus) -> str:

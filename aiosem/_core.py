@@ -16,9 +16,11 @@ learns from it what was granted to its waiters.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import socket
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
@@ -27,6 +29,7 @@ from ._connection import Client, address, redirected, scored, text, transaction
 from ._coordination import Lane, Submission, detached, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, unavailable
 from ._holding import Holdings
+from ._keys import encode_record
 from ._observing import emit_permit
 from ._protocol import REFUSED, Reply, Step
 from ._relay import Relay
@@ -90,6 +93,23 @@ class Settings:
     refresh_interval: float
     replicas: int
     clock: Callable[[], float] | None
+    label: str | None = None
+
+    def record(self) -> str:
+        """Who this object's identifiers are, as the steps record them (see `aiosem._keys.encode_record`).
+
+        Read at every step, so that a forked child records its own process id.
+        """
+        return _record(self.timeout, self.label, os.getpid())
+
+
+#: This machine's name, as the records of its holders and waiters give it.
+_HOST: Final = socket.gethostname()
+
+
+@lru_cache(maxsize=256)
+def _record(lease: float, label: str | None, pid: int) -> str:
+    return encode_record(lease, pid, _HOST, label)
 
 
 class Core:
@@ -178,6 +198,8 @@ class Core:
         submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
         try:
             return await lane.submit(submission)
+        except redis.AuthenticationError:
+            raise  # redis-py's own class, which callers catch: it says what was refused
         except redis.ConnectionError as error:
             # Raised afresh in the caller's task: one short traceback, from
             # the caller's frames, that says which Redis could not be reached.

@@ -162,8 +162,8 @@ def limiter(
             or declared by a decorator.
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
-            ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``;
-            each left out (or ``None``) is read from `configure`.
+            ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``,
+            ``label``; each left out (or ``None``) is read from `configure`.
 
     Returns:
         An async context manager whose value is the `Permit`.
@@ -486,7 +486,8 @@ def limit_concurrency(
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
             ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``
-            (`PermitLost` is then still raised when the call ends); each
+            (`PermitLost` is then still raised when the call ends),
+            ``label``; each
             left out (or ``None``) is read from `configure` at each call.
 
     Returns:

@@ -29,7 +29,9 @@ import redis.asyncio
 from . import recipes
 from ._exceptions import PermitLost
 from ._fair import AsyncFairSemaphore
+from ._keys import SemaphoreKeys
 from ._locked import AsyncLockedSemaphore
+from ._options import DEFAULT_PREFIX
 from ._scripts import ALL_SCRIPTS
 from ._timing import Backoff, Deadline
 from ._urls import close, connect
@@ -86,6 +88,17 @@ class Config:
     def stop_key(self) -> str:
         """Set when the run is stopped early (Ctrl-C): each worker ends its holds and reports."""
         return f"aiosem-demo:{{{self.name}}}:stop"
+
+    @property
+    def semaphore_keys(self) -> tuple[str, ...]:
+        """The keys the run's semaphore may leave, but for receipts of releases, which expire within seconds."""
+        if self.kind in ("fair", "locked"):
+            keys = SemaphoreKeys.for_name(DEFAULT_PREFIX, self.name)
+        else:
+            # The recipes take the name as their key, as the book does.
+            keys = SemaphoreKeys(self.name)
+        # The fair class never takes the step lock, and its ACL line may not reach it.
+        return (*keys.fair, keys.rate) if self.kind == "fair" else (*keys.fair, keys.rate, keys.lock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +197,7 @@ async def _work(config: Config) -> Result:
 
         async def watch_for_stop() -> None:
             while not end.passed():
-                if await client.exists(config.stop_key):
+                if await client.get(config.stop_key) is not None:
                     stopped.set()
                     return
                 await asyncio.sleep(_STOP_POLL)
@@ -302,7 +315,9 @@ async def _watch(config: Config, on_tick: Callable[[int, float], None] | None) -
                 total += future.result()
             return total
     finally:
-        await watcher.delete(config.in_use_key, config.ready_key, config.stop_key)
+        # Every worker has ended: the run's keys go, its fencing counter with
+        # them -- the name is the run's own, and nobody will hold it again.
+        await watcher.delete(config.in_use_key, config.ready_key, config.stop_key, *config.semaphore_keys)
         await close(watcher)
 
 

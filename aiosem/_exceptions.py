@@ -208,9 +208,10 @@ class PermitLost(SemaphoreError):
 class RedisUnavailable(SemaphoreError, redis.exceptions.ConnectionError):
     """Redis could not be reached, or refused the connection.
 
-    Raised by a call of a semaphore, limiter or rate limiter whose step could
-    not reach Redis: nothing listens at the address, the network is cut, or
-    Redis refused the credentials. The message says which Redis, its
+    Raised by a call of a semaphore or limiter whose step could not reach
+    Redis: nothing listens at the address, the network is cut, Sentinel
+    names no master. (Credentials Redis refuses raise redis-py's
+    `AuthenticationError`, as they are.) The message says which Redis, its
     password hidden, and what redis-py reported, in one line; the step had
     no effect that the caller must undo. Also a
     `redis.exceptions.ConnectionError`: code that handles redis-py's errors
@@ -221,8 +222,8 @@ class RedisUnavailable(SemaphoreError, redis.exceptions.ConnectionError):
         address: The Redis, as a URL with its password shown as ``***``.
     """
 
-    def __init__(self, *, name: str, address: str, reason: str) -> None:
-        super().__init__(f"Redis at {address} {reason}", name=name)
+    def __init__(self, *, name: str, address: str, detail: str, what: str = "semaphore") -> None:
+        super().__init__(f"Redis at {address} is unreachable, for {what} {name!r}: {detail}", name=name)
         #: The Redis, as a URL with its password shown as ``***``.
         self.address = address
 
@@ -230,11 +231,11 @@ class RedisUnavailable(SemaphoreError, redis.exceptions.ConnectionError):
         return f"{type(self).__name__}({str(self)!r})"
 
 
-def unavailable(error: redis.exceptions.ConnectionError, name: str, address: str) -> RedisUnavailable:
+def unavailable(
+    error: redis.exceptions.ConnectionError, name: str, address: str, what: str = "semaphore"
+) -> RedisUnavailable:
     """The `RedisUnavailable` to raise, ``from None``, for redis-py's ``error`` on a step of ``name``."""
     if isinstance(error, RedisUnavailable):
         return error
     detail = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, redis.exceptions.AuthenticationError):
-        return RedisUnavailable(name=name, address=address, reason=f"refused the credentials: {detail}")
-    return RedisUnavailable(name=name, address=address, reason=f"is unreachable: {detail}")
+    return RedisUnavailable(name=name, address=address, detail=detail, what=what)

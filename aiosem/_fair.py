@@ -43,6 +43,7 @@ async def fair_step(
     caller: str = "",
     call: str = "",
     relays: bool = False,
+    record: str = "",
     replicas: int = 0,
     replication_timeout: float = 0.0,
 ) -> Reply:
@@ -52,7 +53,9 @@ async def fair_step(
     take: the same call, tried again after its reply was lost, answers what
     the first try released. With ``relays``, a mutex handed to one of the
     ``caller``'s waiters is relayed through the caller's waiters queued
-    right behind it, and the reply names them. With ``replicas``, the script is followed by a
+    right behind it, and the reply names them. An identifier the step
+    queues, or grants a permit to straight away, is stored with ``record``
+    (`aiosem._keys.encode_record`; '' for none, as a book client). With ``replicas``, the script is followed by a
     ``WAIT`` of at most ``replication_timeout`` on its connection, and the
     reply says how many replicas acknowledged it.
     """
@@ -68,6 +71,7 @@ async def fair_step(
         call,
         repr(step_bound(lease)),
         "1" if relays else "",
+        record,
         *identifiers,
     ]
     script = _SCRIPTS[step.operation]
@@ -101,7 +105,9 @@ class AsyncFairSemaphore(_Semaphore):
 
     Its keyword options (`SemaphoreOptions`, each described below) are
     ``timeout`` (the lease), ``blocking_timeout``, ``prefix``, ``clock``,
-    ``waiter_timeout``, ``refresh_interval``, ``on_lost`` and ``replicas``.
+    ``waiter_timeout``, ``refresh_interval``, ``on_lost``, ``replicas`` and
+    ``label`` (shown by ``python -m aiosem status`` beside its holders and
+    waiters, with their host and process id).
 
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows it.
@@ -148,6 +154,7 @@ class ScriptedSteps:
             # A relayed permit's next holder is told before Redis is: with
             # replicas to wait for, every grant waits for them instead.
             relays=not settings.replicas,
+            record=settings.record(),
             replicas=core.replicas_for(step),
             replication_timeout=settings.waiter_ttl,
         )

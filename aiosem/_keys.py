@@ -19,15 +19,27 @@ base key as its ``semname``:
 ``prefix:{name}:waiters``         waiters: identifier -> presumed dead at (s)
 ``prefix:{name}:cancelled``       tombstones: identifier -> refused until (s)
 ``prefix:{name}:tickets``         the last ticket handed to a waiter
+``prefix:{name}:limit``           the limit in use, while anybody holds or waits
+``prefix:{name}:holders``         records: identifier -> [lease (ms), pid, host, label]
 ``prefix:{name}:receipt:<id>``    what release call <id> released, while it may be retried
 ``prefix:{name}:wake:<token>``    the channel of one process's waiters
 ``lock:prefix:{name}``            the short lock of `AsyncLockedSemaphore`
 ================================  ===========================================
+
+A record in ``:holders`` says who an identifier is: the lease it uses, the
+process and host it runs in, and the label its semaphore was given. It is
+written once, in the step that queues the identifier or grants it a permit
+straight away, follows it through a hand-off, and goes in the step that
+removes it (release, cancel, reaping); the hash goes whenever nobody holds
+or waits. ``python -m aiosem status`` shows it, and the reaper reads it to
+reap a permit no earlier than its own lease. A book client writes none.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._validation import check_name
 
@@ -37,6 +49,36 @@ _ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
 def escape_name(name: str) -> str:
     """Return ``name`` with ``%``, ``{`` and ``}`` percent-encoded."""
     return name.translate(_ESCAPES)
+
+
+class Record(NamedTuple):
+    """Who an identifier that holds or waits is, as its ``:holders`` record says."""
+
+    #: Its lease, in seconds (recorded in whole milliseconds, rounded up).
+    lease: float
+    pid: int
+    host: str
+    label: str | None
+
+
+def encode_record(lease: float, pid: int, host: str, label: str | None) -> str:
+    """The record the scripts store: a JSON array whose first item, the lease in ms, they read."""
+    return json.dumps([_ceil_ms(lease), pid, host, label], separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_record(raw: bytes | str) -> Record | None:
+    """What `encode_record` wrote; ``None`` for anything else (written by whom?)."""
+    try:
+        lease_ms, pid, host, label = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not (isinstance(lease_ms, int) and isinstance(pid, int) and isinstance(host, str)):
+        return None
+    return Record(lease_ms / 1000, pid, host, label if isinstance(label, str) else None)
+
+
+def _ceil_ms(seconds: float) -> int:
+    return -(-round(seconds * 1_000_000) // 1000)
 
 
 def check_prefix(prefix: object) -> str:
@@ -89,6 +131,11 @@ class SemaphoreKeys:
         return f"{self.base}:receipt:{call}"
 
     @property
+    def holders(self) -> str:
+        """Who each identifier that holds or waits is: its lease, process and label, as it recorded them."""
+        return f"{self.base}:holders"
+
+    @property
     def limit(self) -> str:
         """The limit the semaphore is in use with, while anybody holds or waits."""
         return f"{self.base}:limit"
@@ -108,8 +155,8 @@ class SemaphoreKeys:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str, str, str, str, str, str]:
-        """The keys every fair script takes, in order."""
+    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str]:
+        """The keys every fair script takes, in order (and a release its receipt after them)."""
         return (
             self.timeout_set,
             self.owner_set,
@@ -119,4 +166,5 @@ class SemaphoreKeys:
             self.cancelled,
             self.tickets,
             self.limit,
+            self.holders,
         )

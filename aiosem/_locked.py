@@ -19,7 +19,7 @@ from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._observing import log_fields
 from ._options import DEFAULT_LOCK_TIMEOUT, LockedSemaphoreOptions, refuse_unknown
-from ._plan import Decision, ReadState, plan_step
+from ._plan import Decision, ReadState, past_cutoff, plan_step
 from ._protocol import Reply, Step
 from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
@@ -81,7 +81,7 @@ class AsyncLockedSemaphore(_Semaphore):
     Its keyword options (`LockedSemaphoreOptions`, each described below)
     are those of `AsyncFairSemaphore` -- ``timeout`` (the lease),
     ``blocking_timeout``, ``prefix``, ``clock``, ``waiter_timeout``,
-    ``refresh_interval``, ``on_lost``, ``replicas`` -- and
+    ``refresh_interval``, ``on_lost``, ``replicas``, ``label`` -- and
     ``lock_timeout``, the longest the step lock may live.
 
     Args:
@@ -216,7 +216,11 @@ class WatchedSteps:
                     locked = False
                     return None
                 now = _parse_time(replies[19]) if now is None else now
-                decision = plan_step(self._read_state(connection, replies, now, members, call), step, members)
+                state = self._read_state(connection, replies, now, members, call)
+                if past := past_cutoff(state.leases, now, state.lease):
+                    # Only when a permit is past this object's lease: its own may be longer.
+                    state = dataclasses.replace(state, records=await self._records(connection, past))
+                decision = plan_step(state, step, members)
                 committed, reply = await self._commit(connection, decision, step)
                 locked = committed is None
                 if not locked:
@@ -238,7 +242,7 @@ class WatchedSteps:
         window = self._core.settings.limit + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
-            ("WATCH", keys.lock, *keys.fair[:6], keys.limit),
+            ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
@@ -295,7 +299,13 @@ class WatchedSteps:
             receipt=keys.receipt(call) if call else None,
             receipt_seconds=step_bound(self._core.settings.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
+            record=self._core.settings.record(),
         )
+
+    async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:
+        """The records of ``members`` in ``:holders``, read under the same WATCH."""
+        (found,) = await connection.batch(("HMGET", self._core.keys.holders, *members))
+        return {member: connection.encode(record) for member, record in zip(members, found, strict=True) if record}
 
     async def _lock_and_read(
         self,

@@ -81,6 +81,13 @@ class _Upkeep(TypedDict, total=False):
     seconds: less than ``timeout``; default a third of it."""
 
 
+class _Label(TypedDict, total=False):
+    label: str | None
+    """A name for this user of the semaphore, shown by ``python -m aiosem
+    status`` beside each of its holders and waiters, with their host and
+    process id: 1 to 64 printable characters (default ``None``: none)."""
+
+
 class _OnLost(TypedDict, total=False):
     on_lost: LostCallback | None
     """If set, a permit lost while its block runs calls ``on_lost(PermitLost)``
@@ -103,7 +110,7 @@ class _Object(TypedDict, total=False):
     agree), or a fake clock in tests. Default ``None``: the server's."""
 
 
-class SemaphoreOptions(_OnLost, _Upkeep, _Object, total=False):
+class SemaphoreOptions(_Label, _OnLost, _Upkeep, _Object, total=False):
     """The options of `AsyncFairSemaphore` (and of `AsyncLockedSemaphore`)."""
 
     timeout: float
@@ -165,14 +172,14 @@ class _SemaphoreDefaults(ByNameOptions, total=False):
     configured (``"fair"``)."""
 
 
-class RequestLimitOptions(_Upkeep, _SemaphoreDefaults, total=False):
+class RequestLimitOptions(_Label, _Upkeep, _SemaphoreDefaults, total=False):
     """The options of the web integrations' limits."""
 
     retry_after: int
     """The ``Retry-After`` of a 503, in whole seconds (default 1)."""
 
 
-class LimiterOptions(_OnLost, _Upkeep, _SemaphoreDefaults, total=False):
+class LimiterOptions(_Label, _OnLost, _Upkeep, _SemaphoreDefaults, total=False):
     """The options of `limit_concurrency` and `limiter`."""
 
 

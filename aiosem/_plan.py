@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._connection import Command
     from ._keys import SemaphoreKeys
 
-__all__ = ["Decision", "ReadState", "plan_step"]
+__all__ = ["Decision", "ReadState", "own_lease", "past_cutoff", "plan_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,10 @@ class ReadState:
         receipt: A release call's receipt key (``None``: a call without an id).
         receipt_seconds: How long that receipt is kept.
         earlier_receipt: What an earlier try of the same call left in it.
+        record: The caller's record, stored for each identifier the step
+            queues or grants a permit to straight away ('': none).
+        records: The records, in ``:holders``, of the leases `past_cutoff`
+            finds: the reaper spares those whose own lease is longer.
     """
 
     keys: SemaphoreKeys
@@ -91,6 +95,23 @@ class ReadState:
     receipt: str | None = None
     receipt_seconds: float = 0.0
     earlier_receipt: bytes = b""
+    record: str = ""
+    records: Mapping[bytes, bytes] = field(default_factory=dict)
+
+
+def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
+    """The permits confirmed a ``lease`` or more before ``now``: those the reaper reads the records of.
+
+    Compared as the scripts compare: with the bound as sent to Redis, rounded to the microsecond.
+    """
+    cutoff = float(_seconds(now - lease))
+    return [member for member, score in leases.items() if score <= cutoff]
+
+
+def own_lease(record: bytes | None) -> float | None:
+    """The lease a record gives, in seconds, as the scripts' aiosem_own_lease reads it; ``None`` for none."""
+    match = None if record is None else _OWN_LEASE.match(record)
+    return None if match is None else int(match[1]) / 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +174,7 @@ class _Draft:
         "queued",
         "refreshed_holders",
         "refreshed_waiters",
+        "spared",
         "state",
         "waiters_written",
         "writes",
@@ -170,20 +192,29 @@ class _Draft:
         self.refreshed_waiters: list[bytes] = []
         # Compared as the scripts compare: with the bounds as sent to Redis,
         # rounded to the microsecond.
-        cutoff = float(_seconds(state.now - state.lease))
         now = float(_seconds(state.now))
-        dead = {member for member, score in state.leases.items() if score <= cutoff}
+        #: As the scripts' aiosem_past: a permit past the caller's lease whose own is longer and still runs.
+        self.spared: dict[bytes, float] = {}
+        expired: set[bytes] = set()
+        for member in past_cutoff(state.leases, state.now, state.lease):
+            own = own_lease(state.records.get(member))
+            if own is not None and state.leases[member] > float(_seconds(state.now - own)):
+                self.spared[member] = own
+            else:
+                expired.add(member)
         # As the scripts' reaper: a member of one permit set only counts for nothing.
-        strays = (state.leases.keys() - dead) ^ (state.owners.keys() - dead)
-        dead |= strays
+        strays = (state.leases.keys() - expired) ^ (state.owners.keys() - expired)
+        dead = expired | strays
         self.leases = {member: score for member, score in state.leases.items() if member not in dead}
         self.owners = {member: int(score) for member, score in state.owners.items() if member not in dead}
         if dead:
             self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
+        if expired:
+            self.writes.append(("HDEL", keys.holders, *expired))
         deaths = (*state.earliest_deaths.items(), *state.alive_until.items())
         gone = {member for member, until in deaths if until <= now}
         if gone:
-            self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone)]
+            self.writes += [("ZREM", keys.queue, *gone), ("ZREM", keys.waiters, *gone), ("HDEL", keys.holders, *gone)]
         self.writes.append(("ZREMRANGEBYSCORE", keys.cancelled, "-inf", _seconds(state.now)))
         # A waiter presumed dead may have had no place in the queue (its
         # :queue entry evicted, say): with the whole queue in view, only
@@ -207,6 +238,11 @@ class _Draft:
             ("ZADD", state.keys.timeout_set, score, member),
         ]
         return self.counter
+
+    def enter(self, member: bytes) -> None:
+        """As the scripts' aiosem_enter: an identifier queued or granted straight away is stored with its record."""
+        if self.state.record:
+            self.writes.append(("HSET", self.state.keys.holders, member, self.state.record))
 
     def leave_queue(self, members: Sequence[bytes]) -> None:
         self.queue_size -= len(members)
@@ -254,7 +290,9 @@ class _Draft:
         if self.mismatch:
             return LIMIT_MISMATCH
         if self.queue_size == 0 and len(self.owners) < self.state.limit:
-            return self.grant(member, now)
+            token = self.grant(member, now)
+            self.enter(member)
+            return token
         if step is not Step.WAIT:
             return REFUSED
         self.queue_size += 1
@@ -265,17 +303,23 @@ class _Draft:
             ("ZADD", keys.queue, self.state.tickets[member], member),
             ("ZADD", keys.waiters, alive_until, member),
         ]
+        self.enter(member)
         return QUEUED
 
     def release(self, member: bytes, step: Step) -> int:
         keys = self.state.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
-            self.writes += [("ZREM", keys.owner_set, member), ("ZREM", keys.timeout_set, member)]
+            self.writes += [
+                ("ZREM", keys.owner_set, member),
+                ("ZREM", keys.timeout_set, member),
+                ("HDEL", keys.holders, member),
+            ]
             return 1
         if step is Step.CANCEL:
             if member in self.queued:
                 self.leave_queue([member])
+                self.writes.append(("HDEL", keys.holders, member))
                 if member in self.heads:
                     self.heads.remove(member)
             else:
@@ -328,7 +372,7 @@ class _Draft:
         if self.waiters_written:
             self.write_queue_ttls()
         if not self.owners and self.queue_size == 0:
-            self.writes.append(("DEL", keys.limit))
+            self.writes.append(("DEL", keys.limit, keys.holders))
         else:
             # As the scripts' aiosem_persist_permits: no TTL on a key that
             # bears a live permit, lest volatile-* eviction take it. Only a
@@ -336,20 +380,28 @@ class _Draft:
             for key, ttl in zip((keys.timeout_set, keys.owner_set, keys.limit), state.permit_ttls, strict=True):
                 if ttl >= 0:
                     self.writes.append(("PERSIST", key))
-        earliest = min(self.leases.values(), default=None)
+        # As the scripts' header: in whole microseconds; a spared permit not
+        # refreshed since ends with its own lease, the others with the caller's.
+        cutoff = float(_seconds(state.now - state.lease))
+        left = [
+            max(0, math.floor((score + self._lease_of(member, score, cutoff) - state.now) * 1_000_000))
+            for member, score in self.leases.items()
+        ]
         return Decision(
             writes=tuple(self.writes),
             reply=Reply(
                 holders=len(self.owners),
                 waiting=self.queue_size,
-                # In whole microseconds, as the scripts answer.
-                next_expiry=None
-                if earliest is None
-                else max(0, math.floor((earliest + state.lease - state.now) * 1_000_000)) / 1_000_000,
+                next_expiry=min(left) / 1_000_000 if left else None,
                 values=tuple(values),
                 granted=tuple(self.granted),
             ),
         )
+
+    def _lease_of(self, member: bytes, score: float, cutoff: float) -> float:
+        if score <= cutoff and member in self.spared:
+            return self.spared[member]
+        return self.state.lease
 
     def write_queue_ttls(self) -> None:
         """As the scripts' aiosem_expire, on the TTLs the keys have once the step's writes are done.
@@ -372,6 +424,7 @@ def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:
 
 
 _OWNER: Final = re.compile(rb"^([0-9a-fA-F]+)\.")
+_OWN_LEASE: Final = re.compile(rb"^\[([0-9]+),")
 
 
 def _owner(member: bytes) -> str | None:

@@ -12,9 +12,9 @@ import anyio
 import redis
 import redis.exceptions
 
-from ._connection import watch_eviction_policy
+from ._connection import address, watch_eviction_policy
 from ._coordination import to_the_end
-from ._exceptions import AcquireTimeout, out_of_memory
+from ._exceptions import AcquireTimeout, out_of_memory, unavailable
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, RateLimiterOptions, _Default, refuse_unknown
@@ -190,6 +190,11 @@ class AsyncRateLimiter:
         except asyncio.CancelledError:
             await self._give_back(self._slot_of(reservation))
             raise
+        except redis.exceptions.AuthenticationError:
+            raise
+        except redis.exceptions.ConnectionError as error:
+            # As a semaphore's: one short traceback, from the caller's frames, naming the Redis.
+            raise unavailable(error, self._name, address(self._client), "rate limiter") from None
 
     async def _slot_of(self, reservation: asyncio.Task[tuple[bool, float, int]]) -> None:
         """Give back the slot ``reservation`` takes, if it takes one."""

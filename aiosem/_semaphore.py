@@ -38,6 +38,7 @@ from ._protocol import LIMIT_MISMATCH, Reply, Step
 from ._validation import (
     check_callable,
     check_client,
+    check_label,
     check_limit,
     check_name,
     check_replicas,
@@ -108,8 +109,9 @@ class _Semaphore:
         )
         self._on_lost: LostCallback | None = check_callable(options.get("on_lost"), "on_lost")
         replicas = check_replicas(options.get("replicas", 0))
+        label = check_label(options.get("label"))
         self._client = client
-        self._settings = Settings(name, limit, timeout, waiter_ttl, refresh_interval, replicas, clock)
+        self._settings = Settings(name, limit, timeout, waiter_ttl, refresh_interval, replicas, clock, label)
         self._core = Core(self, backend, client, self._keys, self._settings)
         #: This object's identity in Redis: its waiters' identifiers and its
         #: channel begin with it.

@@ -20,7 +20,16 @@ from ._fair import AsyncFairSemaphore
 from ._keys import check_prefix
 from ._locked import AsyncLockedSemaphore
 from ._rate import AsyncRateLimiter
-from ._validation import check_callable, check_client, check_kind, check_limit, check_rate, check_timeout, check_wait
+from ._validation import (
+    check_callable,
+    check_client,
+    check_kind,
+    check_label,
+    check_limit,
+    check_rate,
+    check_timeout,
+    check_wait,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Mapping
@@ -81,7 +90,7 @@ class SemaphoreSpec(Spec[Semaphore]):
     limit: int | None = None
     timeout: float | None = None
     kind: Kind | None = None
-    #: The semaphore's own options given (``waiter_timeout``, ``refresh_interval``, ``on_lost``), checked.
+    #: The semaphore's own options given (``waiter_timeout``, ``refresh_interval``, ``on_lost``, ``label``), checked.
     upkeep: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -147,6 +156,8 @@ def semaphore_spec(limit: int | None, options: Mapping[str, object]) -> Semaphor
     for interval in ("waiter_timeout", "refresh_interval"):
         if (value := options.get(interval)) is not None:
             upkeep[interval] = check_timeout(value, interval)
+    if (label := check_label(options.get("label"))) is not None:
+        upkeep["label"] = label
     return SemaphoreSpec(
         limit=checked_limit,
         timeout=checked_timeout,

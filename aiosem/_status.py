@@ -7,26 +7,32 @@ lease that ran out, or a waiter presumed dead, stays until the semaphore's
 next step reaps it, and is shown for what it is. No Lua is run, so a server
 that forbids scripting can be inspected too.
 
-A lease's length is not stored in Redis -- it is each client's ``timeout``
--- so the time left of a lease is computed with the one the caller gives:
-remaining = last confirmation + timeout - now.
+Each identifier that holds or waits is stored with a record of its lease,
+process id, host and label (see `aiosem._keys`), and the time left of a
+lease is computed with its own: remaining = last confirmation + lease -
+now. An identifier without a record -- a book client's -- is shown with
+the lease the caller gives, and marked as such.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any, Final
 
-from ._connection import scored, transaction
-from ._keys import SemaphoreKeys, escape_name
+from ._connection import scored, text, transaction
+from ._keys import Record, SemaphoreKeys, decode_record, escape_name
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ._connection import Client
 
 #: The keys that make a name a semaphore (or a rate limiter), as suffixes of
-#: its base key: any of them but the short-lived lock.
-_SUFFIXES: Final = frozenset((*SemaphoreKeys("").fair, SemaphoreKeys("").rate))
+#: its base key: any of them but the short-lived lock, and the records of
+#: its holders and waiters, which may outlive waiters that died.
+_SUFFIXES: Final = frozenset((*SemaphoreKeys("").fair, SemaphoreKeys("").rate)) - {SemaphoreKeys("").holders}
 #: How many keys each SCAN call looks at.
 _SCAN_COUNT: Final = 1000
 _UNESCAPES: Final = {"%25": "%", "%7B": "{", "%7D": "}"}
@@ -44,18 +50,24 @@ class Holder:
         identifier: The holder's identifier.
         fencing_token: The token it was granted with.
         age: Seconds since its lease was last confirmed (granted or refreshed).
-        remaining: Seconds left of its lease, for the lease the reader assumed;
-            zero or less: it ran out, and the next step reaps it.
+        lease: Its lease, in seconds: its own, as recorded, or else the one
+            the reader assumed.
+        remaining: Seconds left of that lease; zero or less: it ran out,
+            and the next step reaps it.
+        record: Who holds it, as recorded; ``None`` for a holder that
+            records nothing (a book client), whose lease is assumed.
     """
 
     identifier: str
     fencing_token: int
     age: float
+    lease: float
     remaining: float
+    record: Record | None
 
     @property
     def expired(self) -> bool:
-        """Whether the lease ran out (for the lease the reader assumed)."""
+        """Whether the lease ran out."""
         return self.remaining <= 0
 
 
@@ -65,11 +77,15 @@ class Waiter:
 
     Attributes:
         identifier: The waiter's identifier.
-        ticket: Its place in the arrival order (lower came first).
+        ticket: Its ticket: the order of arrival (lower came first).
+        place: Its place in the queue among the live waiters (1: next served).
+        record: Who waits, as recorded (``None``: nothing recorded).
     """
 
     identifier: str
     ticket: int
+    place: int
+    record: Record | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +95,8 @@ class SemaphoreStatus:
     Attributes:
         name: The semaphore's name.
         key: Its base key.
-        exists: Whether any of its keys exists.
+        exists: Whether any of its keys exists (the records of holders and
+            waiters aside).
         time: The server's clock at the read, in seconds since the epoch.
         limit: The limit it is in use with; ``None`` while nobody holds or waits.
         last_token: The last fencing token handed out; ``None`` if none ever was.
@@ -152,17 +169,26 @@ def name_of(key: bytes | str, prefix: str) -> str | None:
     return name if name and escape_name(name) == escaped else None
 
 
-async def find_names(client: Client, prefix: str) -> list[str]:
+async def find_names(client: Client, prefix: str, patterns: Sequence[str] = ()) -> list[str]:
     """Every semaphore or rate limiter under ``prefix``, sorted; on a cluster, on every primary.
+
+    Args:
+        client: A client of the server, Sentinel's master or the cluster.
+        prefix: The semaphores' prefix.
+        patterns: Only the names that match one of these globs (`fnmatch`:
+            ``*``, ``?``, ``[...]``), matched against the name, not the key;
+            none: every name.
 
     Raises:
         redis.RedisError: Redis failed or could not be reached.
     """
+    # One SCAN of the prefix, the names matched here: keys hold them
+    # escaped, and Redis's globs are not quite fnmatch's.
     pattern = _GLOB_SPECIAL.sub(r"\\\1", f"{prefix}:{{") + "*"
     names: set[str] = set()
     async for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
         name = name_of(key, prefix)
-        if name is not None:
+        if name is not None and (not patterns or any(fnmatchcase(name, glob) for glob in patterns)):
             names.add(name)
     return sorted(names)
 
@@ -174,14 +200,14 @@ async def read_status(client: Client, prefix: str, name: str, timeout: float) ->
         client: A client of the server, Sentinel's master or the cluster.
         prefix: The semaphore's prefix.
         name: The semaphore's name.
-        timeout: The lease its clients use, in seconds: Redis stores when
-            each lease was confirmed, not how long it lasts.
+        timeout: The lease to assume for a holder without a record of its
+            own (a book client's), in seconds.
 
     Raises:
         redis.RedisError: Redis failed or could not be reached.
     """
     keys = SemaphoreKeys.for_name(prefix, name)
-    leases, owners, counter, limit, queue, alive_until, tat, lock_ms, existing, clock = await transaction(
+    leases, owners, counter, limit, queue, alive_until, stored, tat, lock_ms, existing, clock = await transaction(
         client,
         keys.base,
         ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
@@ -190,28 +216,36 @@ async def read_status(client: Client, prefix: str, name: str, timeout: float) ->
         ("GET", keys.limit),
         ("ZRANGE", keys.queue, 0, -1, "WITHSCORES"),
         ("ZRANGE", keys.waiters, 0, -1, "WITHSCORES"),
+        ("HGETALL", keys.holders),
         ("GET", keys.rate),
         ("PTTL", keys.lock),
-        ("EXISTS", *keys.fair, keys.rate, keys.lock),
+        ("EXISTS", *_existing(keys)),
         ("TIME",),
     )
     now = int(clock[0]) + int(clock[1]) / 1_000_000
     confirmed = dict(scored(leases))
+    records = _records(stored)
+
+    def holder(member: str, token: float) -> Holder:
+        record = records.get(member)
+        lease = timeout if record is None else record.lease
+        age = now - confirmed[member]
+        return Holder(member, int(token), age=age, lease=lease, remaining=lease - age, record=record)
+
     holders = sorted(
-        (
-            Holder(member, int(token), age=now - confirmed[member], remaining=confirmed[member] + timeout - now)
-            # A member in one set only holds nothing: the next step drops it.
-            for member, token in scored(owners)
-            if member in confirmed
-        ),
+        # A member in one set only holds nothing: the next step drops it.
+        (holder(member, token) for member, token in scored(owners) if member in confirmed),
         key=lambda holder: holder.fencing_token,
     )
     presumed_dead_at = dict(scored(alive_until))
-    waiters = tuple(
-        Waiter(member, int(ticket))
+    live = [
+        (member, int(ticket))
         for member, ticket in scored(queue)
         # Presumed dead once its time passed, as the next step will find it.
         if member not in presumed_dead_at or presumed_dead_at[member] > now
+    ]
+    waiters = tuple(
+        Waiter(member, ticket, place, records.get(member)) for place, (member, ticket) in enumerate(live, start=1)
     )
     return SemaphoreStatus(
         name=name,
@@ -229,8 +263,19 @@ async def read_status(client: Client, prefix: str, name: str, timeout: float) ->
     )
 
 
+def _existing(keys: SemaphoreKeys) -> tuple[str, ...]:
+    """The keys whose existence makes a semaphore exist: not the records, which may outlive dead waiters."""
+    return (*(key for key in keys.fair if key != keys.holders), keys.rate, keys.lock)
+
+
+def _records(reply: Any) -> dict[str, Record]:
+    """An HGETALL of ``:holders``, flat in RESP2, a map in RESP3: each readable record by identifier."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {text(member): record for member, raw in pairs if (record := decode_record(raw)) is not None}
+
+
 async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetResult:
-    """Delete a semaphore's permits, queue, limit and step lock in one transaction; keep its counter.
+    """Delete a semaphore's permits, queue, limit, records and step lock in one transaction; keep its counter.
 
     The fencing counter is kept so that tokens keep increasing: a resource
     that remembers the highest token it saw still refuses the holders of
@@ -251,13 +296,13 @@ async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetR
         redis.RedisError: Redis failed or could not be reached.
     """
     keys = SemaphoreKeys.for_name(prefix, name)
-    doomed = [keys.timeout_set, keys.owner_set, keys.queue, keys.waiters, keys.limit, keys.lock]
+    doomed = [keys.timeout_set, keys.owner_set, keys.queue, keys.waiters, keys.limit, keys.holders, keys.lock]
     if rate:
         doomed.append(keys.rate)
     existing, holders, waiters, counter, _ = await transaction(
         client,
         keys.base,
-        ("EXISTS", *keys.fair, keys.rate, keys.lock),
+        ("EXISTS", *_existing(keys)),
         ("ZCARD", keys.owner_set),
         ("ZCARD", keys.queue),
         ("GET", keys.counter),

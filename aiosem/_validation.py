@@ -28,6 +28,8 @@ LONGEST: Final = 1e9
 #: The shortest lease or interval accepted: Redis counts TTLs in milliseconds,
 #: and a shorter lease would run out before its grant could be read.
 SHORTEST: Final = 0.001
+#: The longest label: one line of a status table, and a small record per holder.
+LONGEST_LABEL: Final = 64
 #: The largest limit: the scripts count in doubles, exact up to 2**53, and
 #: write a limit beyond 10**16 in a form the other clients cannot read.
 MOST_LIMIT: Final = 2**53
@@ -63,6 +65,20 @@ def check_name(value: Any, argument: str = "name") -> str:
         raise ValueError(
             f"{argument} must be valid Unicode, without lone surrogates; it has one at index {error.start}"
         ) from None
+    return value
+
+
+def check_label(value: Any) -> str | None:
+    """A semaphore's label, shown by ``python -m aiosem status`` beside its holders and waiters."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"label must be a str or None, not {type(value).__name__}")
+    if not value or len(value) > LONGEST_LABEL:
+        raise ValueError(f"label must be 1 to {LONGEST_LABEL} characters long, got {len(value)}")
+    if not value.isprintable():
+        bad = next(char for char in value if not char.isprintable())
+        raise ValueError(f"label must be printable, without control characters; it has {bad!r}")
     return value
 
 

@@ -23,7 +23,9 @@ local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
 local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
 local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
-local RECEIPT = KEYS[9]    -- what this call released, if it is a release with
+local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter), while
+                           -- it holds or waits
+local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
                            -- an id: one '1' or '0' per identifier
 --
 -- and the same arguments:
@@ -43,7 +45,8 @@ local RECEIPT = KEYS[9]    -- what this call released, if it is a release with
 --         caller may still try the call again
 -- ARGV[11] '1' if the caller relays a mutex through a run of its own waiters
 --         (see aiosem_relay_run), else ''
--- ARGV[12..] identifiers
+-- ARGV[12] the caller's record of who it is (see aiosem_enter), '' for none
+-- ARGV[13..] identifiers
 --
 -- and every script returns {holders, waiting, next_expiry_us, relayed,
 -- result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1, token_1,
@@ -129,36 +132,126 @@ local function aiosem_zrem_counted(key, members)
   return removed
 end
 
+-- Who an identifier is, for `python -m aiosem status` and the reaper: the
+-- caller's record, a JSON array [lease in ms, pid, host, label or null],
+-- written once, as the identifier joins the queue or is granted a permit
+-- straight away; it follows the identifier through a hand-off. A caller
+-- without one (a book client) writes nothing.
+local function aiosem_enter(identifier, state)
+  if state.record ~= '' then
+    state.forgotten[identifier] = nil
+    redis.call('HSET', HOLDERS, identifier, state.record)
+  end
+end
+
+-- Note that the records of `members`, which neither hold nor wait any
+-- more, are to go: at the end of the step (aiosem_forget_now), or with the
+-- whole hash if the step leaves nobody holding or waiting -- one command
+-- fewer for most releases. An identifier entered again meanwhile keeps its
+-- new record.
+local function aiosem_forget(members, state)
+  for _, member in ipairs(members) do
+    state.forgotten[member] = true
+  end
+end
+
+-- HDEL the records aiosem_forget noted. Records left by identifiers that
+-- went another way -- a key evicted or expired, a book client's ZREM -- go
+-- with the whole hash once nobody holds or waits (see aiosem_run).
+local function aiosem_forget_now(state)
+  local members = {}
+  for member in pairs(state.forgotten) do
+    members[#members + 1] = member
+  end
+  for i = 1, #members, 1000 do
+    redis.call('HDEL', HOLDERS, unpack(members, i, math.min(i + 999, #members)))
+  end
+end
+
+-- The lease an identifier's record gives, in seconds; nil for none.
+local function aiosem_own_lease(record)
+  local ms = record and string.match(record, '^%[(%d+),')
+  return ms and tonumber(ms) / 1000
+end
+
+-- The records of `members`, false where absent, in chunks unpack() can take.
+local function aiosem_records(members)
+  local records = {}
+  for i = 1, #members, 1000 do
+    local chunk = redis.call('HMGET', HOLDERS, unpack(members, i, math.min(i + 999, #members)))
+    for j = 1, #chunk do
+      records[#records + 1] = chunk[j]
+    end
+  end
+  return records
+end
+
+-- Of the permits whose last confirmation is at or before `cutoff` (the
+-- caller's lease ago): those whose own recorded lease, longer than the
+-- caller's, has not run out yet (the spared: members, scores, own leases),
+-- and the others (the expired: members). A permit is thus reaped once the
+-- longer of its own lease and the caller's has run out, never before its
+-- own: holders may use different leases. Costs nothing more than a
+-- ZRANGEBYSCORE unless some permit is past the caller's lease.
+local function aiosem_past(now, cutoff)
+  local found = redis.call('ZRANGEBYSCORE', TIMEOUTS, '-inf', aiosem_seconds(cutoff), 'WITHSCORES')
+  local spared, expired = {members = {}, scores = {}, leases = {}}, {}
+  if #found == 0 then
+    return spared, expired
+  end
+  local members = {}
+  for i = 1, #found, 2 do
+    members[#members + 1] = found[i]
+  end
+  local records = aiosem_records(members)
+  for i, member in ipairs(members) do
+    local score = tonumber(found[2 * i])
+    local own = aiosem_own_lease(records[i])
+    if own and score > tonumber(aiosem_seconds(now - own)) then
+      spared.members[#spared.members + 1] = member
+      spared.scores[#spared.scores + 1] = score
+      spared.leases[#spared.leases + 1] = own
+    else
+      expired[#expired + 1] = member
+    end
+  end
+  return spared, expired
+end
+
 -- Remove every permit whose lease ran out from both sets, and return how
 -- many were freed and how many are held. A book client writes the two sets
 -- in separate steps, and eviction may take one set and not the other, so
 -- afterwards drop any member that is in one set only: an owner entry
 -- without a lease would hold a permit forever, a lease without an owner
--- entry counts for nothing. (ZINTERCARD needs Redis 7.)
-local function aiosem_reap(timeout_set, owner_set, cutoff)
-  local before = redis.call('ZCARD', owner_set)
-  local leases = redis.call('ZCARD', timeout_set)
-  local expired = redis.call('ZRANGEBYSCORE', timeout_set, '-inf', aiosem_seconds(cutoff))
+-- entry counts for nothing. (ZINTERCARD needs Redis 7.) Notes in
+-- state.spared whether a permit past the caller's lease was spared.
+local function aiosem_reap(state)
+  local before = redis.call('ZCARD', OWNERS)
+  local leases = redis.call('ZCARD', TIMEOUTS)
+  local spared, expired = aiosem_past(state.now, state.now - state.lease)
+  state.spared = #spared.members > 0
   local held = before
   if #expired > 0 then
-    leases = leases - aiosem_zrem_counted(timeout_set, expired)
-    held = held - aiosem_zrem_counted(owner_set, expired)
+    leases = leases - aiosem_zrem_counted(TIMEOUTS, expired)
+    held = held - aiosem_zrem_counted(OWNERS, expired)
+    aiosem_forget(expired, state)
   end
-  if held ~= leases or (held > 0 and redis.call('ZINTERCARD', 2, owner_set, timeout_set) ~= held) then
-    redis.call('ZINTERSTORE', owner_set, 2, owner_set, timeout_set, 'WEIGHTS', 1, 0)
-    redis.call('ZINTERSTORE', timeout_set, 2, timeout_set, owner_set, 'WEIGHTS', 1, 0)
-    held = redis.call('ZCARD', owner_set)
+  if held ~= leases or (held > 0 and redis.call('ZINTERCARD', 2, OWNERS, TIMEOUTS) ~= held) then
+    redis.call('ZINTERSTORE', OWNERS, 2, OWNERS, TIMEOUTS, 'WEIGHTS', 1, 0)
+    redis.call('ZINTERSTORE', TIMEOUTS, 2, TIMEOUTS, OWNERS, 'WEIGHTS', 1, 0)
+    held = redis.call('ZCARD', OWNERS)
   end
   return before - held, held
 end
 
 -- Forget waiters that stopped proving they are alive; return how many are
 -- left in the queue.
-local function aiosem_reap_waiters(now)
-  local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(now))
+local function aiosem_reap_waiters(state)
+  local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(state.now))
   if #dead > 0 then
     aiosem_zrem_all(QUEUE, dead)
     aiosem_zrem_all(WAITERS, dead)
+    aiosem_forget(dead, state)
   end
   return redis.call('ZCARD', QUEUE)
 end
@@ -267,12 +360,28 @@ local function aiosem_persist_permits()
   end
 end
 
--- The header every script returns first.
+-- The header every script returns first. The permits the reaper spared
+-- (see aiosem_past), unless refreshed or released since, are still at or
+-- before the cutoff, and end with their own leases; the others with the
+-- caller's, as far as it knows.
 local function aiosem_header(state, relayed)
-  local first = redis.call('ZRANGE', TIMEOUTS, 0, 0, 'WITHSCORES')
+  local first, spared
+  if state.spared then
+    local cutoff = state.now - state.lease
+    spared = aiosem_past(state.now, cutoff)
+    first = redis.call('ZRANGEBYSCORE', TIMEOUTS, '(' .. aiosem_seconds(cutoff), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  else
+    first = redis.call('ZRANGE', TIMEOUTS, 0, 0, 'WITHSCORES')
+  end
   local next_expiry = -1
   if first[2] then
     next_expiry = math.max(0, math.floor((tonumber(first[2]) + state.lease - state.now) * 1000000))
+  end
+  for i, score in ipairs(spared and spared.scores or {}) do
+    local left = math.max(0, math.floor((score + spared.leases[i] - state.now) * 1000000))
+    if next_expiry < 0 or left < next_expiry then
+      next_expiry = left
+    end
   end
   return {state.holders, state.queued, next_expiry, #relayed / 2}
 end
@@ -280,7 +389,8 @@ end
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, `freed` (permits given up
+-- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, record,
+-- `forgotten` (see aiosem_forget), `spared` (see aiosem_reap), `freed` (permits given up
 -- by the operation, which matter when the limit is unknown), the counts
 -- `holders` and `queued`, which every write keeps up to date, and
 -- `waiters_written`, which an operation sets when it queues a waiter or
@@ -298,6 +408,8 @@ local function aiosem_run(operation, hand_off_first)
     call = ARGV[9],
     receipt_seconds = tonumber(ARGV[10]),
     relays = ARGV[11] == '1',
+    record = ARGV[12],
+    forgotten = {},
     waiters_written = false,
   }
   -- Checked before anything is written: a script refused half-way would leave
@@ -311,8 +423,8 @@ local function aiosem_run(operation, hand_off_first)
   -- -- a refresh too, not only acquires and releases -- runs whole or not
   -- at all, and a full server never takes its holders' leases from them.
   redis.call('ZREMRANGEBYSCORE', CANCELLED, '-inf', aiosem_seconds(state.now))
-  state.freed, state.holders = aiosem_reap(TIMEOUTS, OWNERS, state.now - state.lease)
-  state.queued = aiosem_reap_waiters(state.now)
+  state.freed, state.holders = aiosem_reap(state)
+  state.queued = aiosem_reap_waiters(state)
   local granted, relayed = {}, {}
   local function hand_off()
     local free = state.freed
@@ -326,7 +438,7 @@ local function aiosem_run(operation, hand_off_first)
     hand_off()
   end
   local identifiers = {}
-  for i = 12, #ARGV do
+  for i = 13, #ARGV do
     identifiers[#identifiers + 1] = ARGV[i]
   end
   local results = operation(identifiers, state)
@@ -337,9 +449,11 @@ local function aiosem_run(operation, hand_off_first)
     aiosem_expire(state.waiter_ttl)
   end
   if state.holders == 0 and state.queued == 0 then
-    -- Idle: whoever comes next may bring another limit.
-    redis.call('DEL', LIMIT)
+    -- Idle: whoever comes next may bring another limit; and no record is
+    -- of anybody who holds or waits.
+    redis.call('DEL', LIMIT, HOLDERS)
   else
+    aiosem_forget_now(state)
     aiosem_persist_permits()
   end
   local reply = aiosem_header(state, relayed)

@@ -1,9 +1,11 @@
 -- Grant permits of a fair semaphore, or queue for them.
 --
--- KEYS: the nine of every fair script (see the prelude): TIMEOUTS, OWNERS,
--- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, RECEIPT (unused here).
+-- KEYS: the ten of every fair script (see the prelude): TIMEOUTS, OWNERS,
+-- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, RECEIPT
+-- (unused here).
 -- ARGV: the prelude's; ARGV[3] (the limit) is required, ARGV[8] is the mode,
--- ARGV[12..] the identifiers.
+-- ARGV[12] the record of the identifiers it queues or grants, ARGV[13..] the
+-- identifiers.
 -- MODE_TRY: grant if a permit is free and nobody is queued, else refuse.
 -- MODE_WAIT: grant as MODE_TRY does, else join the queue.
 -- MODE_COUNT (no identifiers): only reap and hand off, for the header.
@@ -38,6 +40,7 @@ local function acquire(identifier, state, mismatch)
     token = aiosem_next_token(state.now)
     redis.call('ZADD', OWNERS, token, identifier)
     redis.call('ZADD', TIMEOUTS, stamp, identifier)
+    aiosem_enter(identifier, state)
     state.holders = state.holders + 1
     return token
   end
@@ -46,6 +49,7 @@ local function acquire(identifier, state, mismatch)
   end
   redis.call('ZADD', QUEUE, redis.call('INCR', TICKETS), identifier)
   redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
+  aiosem_enter(identifier, state)
   state.queued = state.queued + 1
   state.waiters_written = true
   return QUEUED

@@ -1,7 +1,7 @@
 -- Refresh holders and waiters of a fair semaphore.
 --
--- KEYS: the nine of every fair script (see the prelude); RECEIPT is unused.
--- ARGV: the prelude's; the mode is ignored, ARGV[12..] are the identifiers.
+-- KEYS: the ten of every fair script (see the prelude); RECEIPT is unused.
+-- ARGV: the prelude's; the mode is ignored, ARGV[13..] are the identifiers.
 -- Returns the prelude's reply; the results, per identifier: the fencing
 -- token if it holds a permit (its lease restarts now; this is also how a
 -- process claims a permit handed to one of its waiters); QUEUED if it is

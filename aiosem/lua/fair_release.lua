@@ -1,10 +1,10 @@
 -- Release permits of a fair semaphore, handing each freed permit to the
 -- longest-waiting waiter in the same step.
 --
--- KEYS: the nine of every fair script (see the prelude); RECEIPT is this
+-- KEYS: the ten of every fair script (see the prelude); RECEIPT is this
 -- call's receipt.
 -- ARGV: the prelude's; ARGV[8] is the mode, ARGV[9] the call's id, ARGV[10]
--- how long its receipt is kept, ARGV[12..] the identifiers. Without a limit
+-- how long its receipt is kept, ARGV[13..] the identifiers. Without a limit
 -- (ARGV[3] = ''), as many permits are handed off as this call freed.
 -- Returns the prelude's reply, with these results per identifier.
 -- MODE_RELEASE: results are 1 if the identifier held a live permit, else 0.
@@ -28,6 +28,7 @@
 local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
+    aiosem_forget({identifier}, state)
     state.freed = state.freed + 1
     state.holders = state.holders - 1
     return 1
@@ -35,6 +36,7 @@ local function release(identifier, state)
   if state.mode == MODE_CANCEL then
     if redis.call('ZREM', QUEUE, identifier) == 1 then
       redis.call('ZREM', WAITERS, identifier)
+      aiosem_forget({identifier}, state)
       state.queued = state.queued - 1
     else
       -- Old tombstones go whenever a new one is written.

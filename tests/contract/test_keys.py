@@ -142,6 +142,7 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
         "app:{db}:cancelled",
         "app:{db}:tickets",
         "app:{db}:limit",
+        "app:{db}:holders",
     )
     assert keys.channels == "app:{db}:wake:"
 
@@ -174,6 +175,7 @@ async def test_a_semaphore_writes_only_its_own_keys(
     permit = await sem.acquire(blocking=False)
     assert permit is not None
     keys = SemaphoreKeys.for_name("aiosem", "{{x}} %7B")
-    expected = sorted(key.encode() for key in [keys.timeout_set, keys.owner_set, keys.counter, keys.limit])
+    written = [keys.timeout_set, keys.owner_set, keys.counter, keys.limit, keys.holders]
+    expected = sorted(key.encode() for key in written)
     assert sorted(await client_admin.keys("*")) == expected
     assert len({key_slot(key) for key in expected}) == 1

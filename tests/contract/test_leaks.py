@@ -532,7 +532,8 @@ async def test_the_keys_of_a_permit_never_given_back_go_with_the_next_step_after
     fresh_redis_server: RedisServer, admin: redis.asyncio.Redis, kind: Kind
 ) -> None:
     # The keys that bear a live permit carry no TTL (volatile-* eviction must not take them): a permit
-    # never given back stays, with the limit, until a step reaps it (see tests/faults/test_eviction.py).
+    # never given back stays, with the limit and its record, until a step reaps it (see
+    # tests/faults/test_eviction.py).
     name, clock = f"abandoned-{kind}", FakeClock()
     client = fresh_redis_server.client()
     try:
@@ -548,7 +549,7 @@ async def test_the_keys_of_a_permit_never_given_back_go_with_the_next_step_after
     finally:
         await client.aclose()
     base = f"aiosem:{{{name}}}"
-    assert without_ttl == {base, f"{base}:owner", f"{base}:limit"}
+    assert without_ttl == {base, f"{base}:owner", f"{base}:limit", f"{base}:holders"}
     assert {key: ttl for key, ttl in (await ttls(admin)).items() if ttl < 0} == {}
 
 

@@ -6,6 +6,7 @@ What it decides is held to the fair scripts by ``tests/test_differential.py``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -58,3 +59,42 @@ def test_a_plan_changes_nothing_it_is_given(step: Step) -> None:
 def test_a_locked_step_never_passes_a_permit_on() -> None:
     with pytest.raises(ValueError, match="never relays"):
         plan_step(a_busy_state(), Step.PASS, [b"ab12.held", b"ab12.next", b"8"])
+
+
+def a_permit_past_the_lease(record: bytes) -> ReadState:
+    """One holder confirmed 15 s ago, with ``record`` in ``:holders``; the caller's lease is 10 s."""
+    return dataclasses.replace(
+        a_busy_state(),
+        leases={b"cd34.long": NOW - 15},
+        owners={b"cd34.long": 3.0},
+        queue_head={},
+        queue_size=0,
+        earliest_deaths={},
+        queued={},
+        alive_until={},
+        records={b"cd34.long": record},
+    )
+
+
+def test_a_permit_whose_own_lease_runs_on_is_not_reaped_and_ends_with_it() -> None:
+    decision = plan_step(a_permit_past_the_lease(b'[30000,42,"elsewhere",null]'), Step.COUNT, [])
+    assert decision.reply.holders == 1
+    assert decision.reply.next_expiry == pytest.approx(15)
+    assert not [write for write in decision.writes if write[0] in ("ZREM", "HDEL")]
+
+
+def test_a_permit_whose_own_lease_ran_out_too_is_reaped_with_its_record() -> None:
+    keys = SemaphoreKeys.for_name("aiosem", "plan")
+    decision = plan_step(a_permit_past_the_lease(b'[12000,42,"elsewhere",null]'), Step.COUNT, [])
+    assert decision.reply.holders == 0
+    assert ("HDEL", keys.holders, b"cd34.long") in decision.writes
+    assert ("DEL", keys.limit, keys.holders) in decision.writes
+
+
+def test_a_step_records_who_it_queues_or_grants_and_nobody_else() -> None:
+    keys = SemaphoreKeys.for_name("aiosem", "plan")
+    state = dataclasses.replace(a_busy_state(), record='[10000,7,"here","me"]')
+    decision = plan_step(state, Step.WAIT, [b"ab12.held", b"ab12.new"])
+    recorded = [write for write in decision.writes if write[0] == "HSET"]
+    # The holder is recorded already; the newcomer queues (the limit is reached).
+    assert recorded == [("HSET", keys.holders, b"ab12.new", '[10000,7,"here","me"]')]

@@ -178,6 +178,44 @@ async def test_an_expired_permit_is_reclaimed(make: Callable[..., Semaphore], cl
     assert other.fencing_token > permit.fencing_token
 
 
+async def test_a_permit_lasts_its_own_lease_whoever_steps_with_a_shorter_one(
+    make: Callable[..., Semaphore], clock: FakeClock
+) -> None:
+    long, short = make(limit=1, timeout=30, clock=clock), make(limit=1, timeout=10, clock=clock)
+    permit = await long.acquire()
+    assert permit is not None
+    clock.advance(20)
+    assert await short.acquire(blocking=False) is None
+    assert await short.count() == 1
+    clock.advance(10)
+    taken = await short.acquire(blocking=False)
+    assert taken is not None
+    assert taken.fencing_token > permit.fencing_token
+
+
+async def test_a_permit_with_a_shorter_lease_is_reaped_once_the_stepping_ones_runs_out(
+    make: Callable[..., Semaphore], clock: FakeClock
+) -> None:
+    short, long = make(limit=1, timeout=5, clock=clock), make(limit=1, timeout=10, clock=clock)
+    assert await short.acquire() is not None
+    clock.advance(7)
+    # Its own lease ran out, but a step reaps with the longer of the two: a holder is never cut short.
+    assert await long.acquire(blocking=False) is None
+    clock.advance(3)
+    assert await long.acquire(blocking=False) is not None
+
+
+async def test_a_waiter_wakes_when_a_longer_lease_of_its_holder_runs_out(
+    make: Callable[..., Semaphore], clock: FakeClock
+) -> None:
+    long, short = make(limit=1, timeout=30, clock=clock), make(limit=1, timeout=10, clock=clock)
+    assert await long.acquire() is not None
+    clock.advance(20)
+    # The next expiry a step answers is the holder's own, not the caller's lease (long past): no busy recheck.
+    assert await short.count() == 1
+    assert short._core.last.next_expiry == pytest.approx(10, abs=1e-6)
+
+
 async def test_refresh_never_revives_an_expired_permit(
     make: Callable[..., Semaphore], clock: FakeClock, client: redis.asyncio.Redis
 ) -> None:

@@ -830,9 +830,10 @@ async def test_an_abandoned_semaphore_leaves_its_dead_permits_and_the_next_step_
         recovered_in=None,
         over_limit="none",
     )
-    assert set(left) == {base, f"{base}:owner", f"{base}:limit", f"{base}:counter"}
-    assert [left[base], left[f"{base}:owner"], left[f"{base}:limit"]] == [-1, -1, -1]
+    # The records of the dead holders, and of the dead waiter, whose queue went: until the next step.
+    assert set(left) == {base, f"{base}:owner", f"{base}:limit", f"{base}:holders", f"{base}:counter"}
+    assert [left[base], left[f"{base}:owner"], left[f"{base}:limit"], left[f"{base}:holders"]] == [-1, -1, -1, -1]
     assert 0 < left[f"{base}:counter"] <= COUNTER_TTL_MS
     assert dead_permits == {"": LIMIT, ":owner": LIMIT}  # bounded by the limit
     assert {key: ttl for key, ttl in reaped.items() if ttl < 0} == {}
-    assert {base, f"{base}:owner", f"{base}:limit"}.isdisjoint(reaped)
+    assert {base, f"{base}:owner", f"{base}:limit", f"{base}:holders"}.isdisjoint(reaped)

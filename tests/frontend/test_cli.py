@@ -9,10 +9,15 @@ output matters.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import io
 import json
+import multiprocessing
+import os
 import re
 import secrets
+import signal
+import socket
 import string
 import subprocess
 import sys
@@ -26,7 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, PermitLost
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, PermitLost, recipes
 from aiosem.__main__ import _describe, main, redact
 from aiosem._keys import SemaphoreKeys
 from aiosem._status import name_of
@@ -65,6 +70,11 @@ def table_row(output: str, name: str) -> list[str]:
     """The cells of the summary table's row of ``name``."""
     line = next(line for line in output.splitlines() if f" {name} " in line)
     return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+def flat(output: str) -> str:
+    """``output`` with every run of white space made one space: a table's caption is folded to its width."""
+    return " ".join(output.split())
 
 
 class Terminal(io.StringIO):
@@ -113,20 +123,112 @@ async def test_status_shows_limit_holders_tokens_and_waiters(
         assert holder["age"] + holder["remaining"] == pytest.approx(10, abs=1e-5)
 
 
-async def test_the_remaining_lease_is_computed_with_the_timeout_given(
-    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+async def test_each_holder_is_shown_with_its_own_lease(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
 ) -> None:
     name = unique("lease")
-    semaphore = AsyncFairSemaphore(real_client, name, 1, timeout=30)
+    long, short = cls(real_client, name, 2, timeout=30), cls(real_client, name, 2, timeout=5)
+    first, second = await long.acquire(), await short.acquire()
+    assert first is not None
+    assert second is not None
+    try:
+        entry = await one_status(capsys, redis_server.url, name)  # --timeout left at 10
+    finally:
+        await long.release(first)
+        await short.release(second)
+    by_identifier = {holder["identifier"]: holder for holder in entry["holders"]}
+    held_long, held_short = by_identifier[first.identifier], by_identifier[second.identifier]
+    assert (held_long["lease"], held_long["lease_recorded"]) == (30, True)
+    assert (held_short["lease"], held_short["lease_recorded"]) == (5, True)
+    assert 25 < held_long["remaining"] <= 30
+    assert 0 < held_short["remaining"] <= 5
+    for holder in (held_long, held_short):
+        assert holder["age"] + holder["remaining"] == pytest.approx(holder["lease"], abs=1e-5)
+
+
+async def test_a_holder_is_shown_with_its_host_process_id_and_label(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("who")
+    semaphore = cls(real_client, name, 1, label="billing worker")
     permit = await semaphore.acquire()
     assert permit is not None
     try:
-        (holder,) = (await one_status(capsys, redis_server.url, name, "--timeout", "30"))["holders"]
-        (default,) = (await one_status(capsys, redis_server.url, name))["holders"]
+        entry = await one_status(capsys, redis_server.url, name)
+        assert await cli("status", "--url", redis_server.url, name) == 0
     finally:
         await semaphore.release(permit)
+    (holder,) = entry["holders"]
+    assert (holder["host"], holder["pid"], holder["label"]) == (socket.gethostname(), os.getpid(), "billing worker")
+    row = table_row(capsys.readouterr().out, permit.identifier)
+    assert row[:5] == [
+        str(permit.fencing_token),
+        permit.identifier,
+        socket.gethostname(),
+        str(os.getpid()),
+        "billing worker",
+    ]
+    assert row[6] == "10 s"
+
+
+def _hold_in_forked_child(semaphore: AsyncFairSemaphore) -> None:
+    async def hold() -> None:
+        assert await semaphore.acquire() is not None  # and left to its lease: the parent reads it
+
+    asyncio.run(hold())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_forked_childs_holder_is_shown_with_the_childs_process_id(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("forked")
+    # Made, and its record read, in the parent; used only in the child.
+    semaphore = AsyncFairSemaphore(redis.asyncio.Redis.from_url(redis_server.url), name, 1, label="child")
+    assert json.loads(semaphore._settings.record())[1] == os.getpid()
+    child = multiprocessing.get_context("fork").Process(target=_hold_in_forked_child, args=(semaphore,))
+    child.start()
+    await anyio.to_thread.run_sync(child.join, 60)
+    assert child.exitcode == 0
+    (holder,) = (await one_status(capsys, redis_server.url, name))["holders"]
+    assert (holder["pid"], holder["label"]) == (child.pid, "child")
+
+
+async def test_a_holder_without_a_label_shows_none(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("unlabelled")
+    semaphore = AsyncFairSemaphore(real_client, name, 1)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        (holder,) = (await one_status(capsys, redis_server.url, name))["holders"]
+    finally:
+        await semaphore.release(permit)
+    assert (holder["pid"], holder["label"]) == (os.getpid(), None)
+
+
+async def test_a_book_clients_holder_is_shown_with_the_lease_assumed(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("book")
+    keys = SemaphoreKeys.for_name("aiosem", name)
+    # The book's client records nothing of itself: its lease is what --timeout says.
+    identifier = await recipes.acquire_fair_semaphore(real_client, keys.base, 2, timeout=30)
+    assert identifier is not None
+    try:
+        entry = await one_status(capsys, redis_server.url, name, "--timeout", "30")
+        assert await cli("status", "--url", redis_server.url, name, "--timeout", "30") == 0
+    finally:
+        await recipes.release_fair_semaphore(real_client, keys.base, identifier, timeout=30)
+    (holder,) = entry["holders"]
+    assert (holder["lease"], holder["lease_recorded"]) == (30, False)
+    assert (holder["host"], holder["pid"], holder["label"]) == (None, None, None)
     assert 25 < holder["remaining"] <= 30
-    assert 5 < default["remaining"] <= 10
+    output = capsys.readouterr().out
+    assert table_row(output, identifier)[2:5] == ["-", "-", "-"]
+    assert table_row(output, identifier)[6] == "30 s *"
+    assert "a lease marked * is assumed (--timeout 30): its holder recorded none" in flat(output)
 
 
 async def test_a_lease_that_ran_out_is_shown_expired_and_not_counted(
@@ -156,7 +258,9 @@ async def test_waiters_presumed_dead_are_not_counted(
     await real_client.zadd(keys.waiters, {"dead.1": now - 1, "live.2": now + 60})
     entry = await one_status(capsys, redis_server.url, name)
     assert entry["waiting"] == 1
-    assert entry["waiters"] == [{"identifier": "live.2", "ticket": 2}]
+    assert entry["waiters"] == [
+        {"identifier": "live.2", "ticket": 2, "place": 1, "host": None, "pid": None, "label": None}
+    ]
 
 
 async def test_the_rate_limiter_of_the_same_name_is_shown(
@@ -218,7 +322,7 @@ async def test_the_table_shows_each_semaphore_with_its_holder_count(
     last = max(permit.fencing_token for permit in permits if permit is not None)
     assert table_row(output, name) == [name, "3", "2", "0", str(last), "-", "-"]
     assert f"holders of '{name}'" in output
-    assert "remaining = last confirmation + 10 s (--timeout) - now" in output
+    assert "remaining = last confirmation + lease - now, on Redis's clock" in flat(output)
 
 
 def test_the_table_without_rich_says_how_to_get_it(
@@ -293,6 +397,136 @@ async def test_a_named_semaphore_that_does_not_exist_exits_1(
     (entry,) = json.loads(captured.out)["semaphores"]
     assert entry["exists"] is False
     assert f"no semaphore '{name}' under prefix 'aiosem'" in captured.err
+
+
+async def test_a_pattern_shows_the_names_it_matches(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stem = unique("pattern")
+    # Braces are escaped in the keys: the pattern is matched against the names.
+    names = [f"{stem}-a", f"{stem}-{{b}}", f"other-{stem}", f"{stem}"]
+    semaphores = [AsyncFairSemaphore(real_client, name, 1) for name in names]
+    permits = [await semaphore.acquire() for semaphore in semaphores]
+    try:
+        matched = await status_of(capsys, redis_server.url, f"{stem}-*")
+        mixed = await status_of(capsys, redis_server.url, f"other-{stem}", f"{stem}-[a]")
+    finally:
+        for semaphore, permit in zip(semaphores, permits, strict=True):
+            assert permit is not None
+            await semaphore.release(permit)
+    assert [entry["name"] for entry in matched["semaphores"]] == [f"{stem}-a", f"{stem}-{{b}}"]
+    # A name as given comes first, then what the patterns matched.
+    assert [entry["name"] for entry in mixed["semaphores"]] == [f"other-{stem}", f"{stem}-a"]
+
+
+async def test_a_pattern_that_matches_nothing_lists_nothing_and_exits_0(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (await status_of(capsys, redis_server.url, f"{unique('nothing')}-*"))["semaphores"] == []
+
+
+async def test_the_waiters_are_listed_in_queue_order_with_who_they_are(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("queue")
+    holder, first, second = (cls(real_client, name, 1, label=label) for label in ("holder", "first", "second"))
+    permit = await holder.acquire()
+    assert permit is not None
+    waiting = [asyncio.create_task(first.acquire(blocking_timeout=30))]
+    try:
+        await until_queued(holder, 1)
+        waiting.append(asyncio.create_task(second.acquire(blocking_timeout=30)))
+        await until_queued(holder, 2)
+        entry = await one_status(capsys, redis_server.url, name)
+        assert await cli("status", "--url", redis_server.url, name) == 0
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await holder.release(permit)
+        for semaphore in (holder, first, second):
+            await semaphore.aclose()
+    assert [(w["place"], w["label"], w["host"], w["pid"]) for w in entry["waiters"]] == [
+        (1, "first", socket.gethostname(), os.getpid()),
+        (2, "second", socket.gethostname(), os.getpid()),
+    ]
+    output = capsys.readouterr().out
+    assert f"waiters of '{name}', in queue order" in output
+    for waiter in entry["waiters"]:
+        row = table_row(output, waiter["identifier"])
+        assert row == [
+            str(waiter["place"]),
+            waiter["identifier"],
+            socket.gethostname(),
+            str(os.getpid()),
+            waiter["label"],
+        ]
+
+
+async def test_a_waiter_granted_a_permit_keeps_its_record(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("handed")
+    holder, waiter = cls(real_client, name, 1, timeout=10), cls(real_client, name, 1, timeout=20, label="next")
+    permit = await holder.acquire()
+    assert permit is not None
+    waiting = asyncio.create_task(waiter.acquire(blocking_timeout=30))
+    try:
+        await until_queued(holder)
+        await holder.release(permit)
+        handed = await waiting
+        assert handed is not None
+        (entry,) = (await one_status(capsys, redis_server.url, name))["holders"]
+        await waiter.release(handed)
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await holder.aclose()
+        await waiter.aclose()
+    assert (entry["identifier"], entry["label"], entry["lease"], entry["lease_recorded"]) == (
+        handed.identifier,
+        "next",
+        20,
+        True,
+    )
+
+
+async def test_watch_shows_again_until_ctrl_c_which_ends_it_quietly(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer
+) -> None:
+    name = unique("watch")
+    semaphore = AsyncFairSemaphore(real_client, name, 2)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    command = [sys.executable, "-m", "aiosem", "status", name, "--url", redis_server.url, "--json", "--watch", "0.05"]
+    try:
+        async with await anyio.open_process(command) as process:
+            assert process.stdout is not None
+            assert process.stderr is not None
+            received = b""
+            with anyio.fail_after(30):
+                # Two frames: one JSON document per line.
+                while received.count(b"\n") < 2:
+                    received += await process.stdout.receive()
+            process.send_signal(signal.SIGINT)
+            with anyio.fail_after(10):
+                status = await process.wait()
+            errors = b"".join([chunk async for chunk in process.stderr])
+    finally:
+        await semaphore.release(permit)
+    assert status == 0
+    assert errors == b""
+    frames = [json.loads(line) for line in received.splitlines()[:2]]
+    for frame in frames:
+        (entry,) = frame["semaphores"]
+        assert entry["holders"][0]["identifier"] == permit.identifier
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"aiosem {importlib.metadata.version('aiosem')}\n"
 
 
 # --- URLs and passwords --------------------------------------------------------
@@ -483,7 +717,7 @@ async def test_reset_clears_permits_queue_limit_and_lock_and_keeps_the_counter(
         await until_queued(semaphore)
         await real_client.set(keys.lock, "stuck", px=60_000)
         assert await cli("reset", name, "--url", redis_server.url, "--yes") == 0
-        assert await real_client.exists(keys.timeout_set, keys.owner_set, keys.limit, keys.lock) == 0
+        assert await real_client.exists(keys.timeout_set, keys.owner_set, keys.limit, keys.holders, keys.lock) == 0
     finally:
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
@@ -642,7 +876,8 @@ def test_only_keys_aiosem_writes_name_a_semaphore(key: str | bytes) -> None:
     assert name_of(key, "aiosem") is None
 
 
-def test_every_key_of_a_semaphore_names_it() -> None:
+def test_every_key_of_a_semaphore_names_it_but_the_records() -> None:
     keys = SemaphoreKeys.for_name("aiosem", "a {b}% c")
     for key in (*keys.fair, keys.rate):
-        assert name_of(key.encode(), "aiosem") == "a {b}% c"
+        expected = None if key == keys.holders else "a {b}% c"
+        assert name_of(key.encode(), "aiosem") == expected

@@ -125,9 +125,9 @@ def test_a_redis_that_is_not_running_is_named_once_with_its_password_hidden(
     url = f"redis://:s3cret@127.0.0.1:{refusing_port}/0"
     completed = run_script(tmp_path, program, url, "ok")
     assert completed.returncode == 1
-    assert_told_once(
-        completed.stderr, f"aiosem.RedisUnavailable: Redis at redis://:***@127.0.0.1:{refusing_port}/0 is unreachable: "
-    )
+    shown = f"redis://:***@127.0.0.1:{refusing_port}/0"
+    last_line = f"aiosem.RedisUnavailable: Redis at {shown} is unreachable, for semaphore 'db': "
+    assert_told_once(completed.stderr, last_line)
     assert "s3cret" not in completed.stderr
 
 

@@ -8,11 +8,27 @@ whole, with its message and its attributes.
 from __future__ import annotations
 
 import pickle
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
+import redis.asyncio
 
-from aiosem import AcquireTimeout, LimitMismatch, NotReplicated, OutOfMemory, PermitLost, SemaphoreError
+from aiosem import (
+    AcquireTimeout,
+    AsyncFairSemaphore,
+    AsyncLockedSemaphore,
+    AsyncRateLimiter,
+    LimitMismatch,
+    NotReplicated,
+    OutOfMemory,
+    PermitLost,
+    RedisUnavailable,
+    SemaphoreError,
+)
+
+if TYPE_CHECKING:
+    from tests.harness.support import RedisServer
 
 EXAMPLES = [
     pytest.param(SemaphoreError("semaphore 'db' stayed busy", name="db"), id="SemaphoreError"),
@@ -21,6 +37,10 @@ EXAMPLES = [
     pytest.param(NotReplicated(name="db", replicas=2, acknowledged=1), id="NotReplicated"),
     pytest.param(OutOfMemory(name="db", reply="command not allowed when used memory > 'maxmemory'."), id="OutOfMemory"),
     pytest.param(PermitLost(name="db", identifier="0123abcd.4567ef"), id="PermitLost"),
+    pytest.param(
+        RedisUnavailable(name="db", address="redis://:***@localhost:6390/0", detail="Connection refused"),
+        id="RedisUnavailable",
+    ),
 ]
 
 
@@ -68,3 +88,51 @@ def test_a_refusal_for_memory_is_redis_pys_out_of_memory_error_too() -> None:
 def test_a_refusal_for_memory_of_a_rate_limiter_names_the_limiter() -> None:
     error = OutOfMemory(name="api", reply="", what="rate limiter")
     assert str(error).startswith("Redis refused a step of rate limiter 'api': its memory is full")
+
+
+def test_a_redis_out_of_reach_is_redis_pys_connection_error_too() -> None:
+    error = RedisUnavailable(name="db", address="redis://:***@localhost:6390/0", detail="Connection refused")
+    assert isinstance(error, redis.ConnectionError)
+    assert str(error) == "Redis at redis://:***@localhost:6390/0 is unreachable, for semaphore 'db': Connection refused"
+    assert error.address == "redis://:***@localhost:6390/0"
+
+
+@pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore])
+async def test_a_step_that_cannot_reach_redis_raises_redis_unavailable_naming_it(
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], refusing_port: int
+) -> None:
+    client = redis.asyncio.Redis(host="127.0.0.1", port=refusing_port, password="s3cret")
+    semaphore = cls(client, "db", 1)
+    try:
+        with pytest.raises(RedisUnavailable) as caught:
+            await semaphore.acquire(blocking=False)
+    finally:
+        await semaphore.aclose()
+        await client.aclose()
+    assert str(caught.value).startswith(
+        f"Redis at redis://:***@127.0.0.1:{refusing_port}/0 is unreachable, for semaphore 'db': "
+    )
+    assert caught.value.__suppress_context__
+    assert isinstance(caught.value.__context__, redis.ConnectionError)
+
+
+async def test_a_rate_limiter_that_cannot_reach_redis_raises_redis_unavailable_naming_it(refusing_port: int) -> None:
+    client = redis.asyncio.Redis(host="127.0.0.1", port=refusing_port)
+    limiter = AsyncRateLimiter(client, "api", 5)
+    try:
+        with pytest.raises(RedisUnavailable, match=r"is unreachable, for rate limiter 'api': "):
+            await limiter.acquire(blocking=False)
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+
+
+async def test_credentials_redis_refuses_stay_redis_pys_authentication_error(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port, username="nobody", password="wrong")
+    semaphore = AsyncFairSemaphore(client, "db", 1)
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            await semaphore.acquire(blocking=False)
+    finally:
+        await semaphore.aclose()
+        await client.aclose()

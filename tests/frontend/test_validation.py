@@ -16,7 +16,15 @@ import pytest
 import redis
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, recipes
+from aiosem import (
+    AsyncFairSemaphore,
+    AsyncLockedSemaphore,
+    AsyncRateLimiter,
+    Permit,
+    limit_concurrency,
+    limiter,
+    recipes,
+)
 from aiosem._fair import ScriptedSteps
 from aiosem._locked import WatchedSteps
 from tests.harness.support import unrestricted
@@ -78,6 +86,21 @@ BAD_CONSTRUCTOR_ARGUMENTS = [
     pytest.param({"prefix": 7}, TypeError, "prefix must be a str, not int", id="prefix=7"),
     pytest.param({"clock": 3}, TypeError, "clock must be callable or None, not int", id="clock=3"),
     pytest.param({"clock": "time"}, TypeError, "clock must be callable or None, not str", id="clock='time'"),
+    pytest.param({"label": 5}, TypeError, "label must be a str or None, not int", id="label=5"),
+    pytest.param({"label": ""}, ValueError, "label must be 1 to 64 characters long, got 0", id="label=''"),
+    pytest.param({"label": "x" * 65}, ValueError, "label must be 1 to 64 characters long, got 65", id="label=65 chars"),
+    pytest.param(
+        {"label": "two\nlines"},
+        ValueError,
+        re.escape("label must be printable, without control characters; it has '\\n'"),
+        id="label with a newline",
+    ),
+    pytest.param(
+        {"label": "lone \ud800"},
+        ValueError,
+        re.escape("label must be printable, without control characters; it has '\\ud800'"),
+        id="label with a lone surrogate",
+    ),
 ]
 
 BAD_LOCK_TIMEOUTS = [
@@ -120,6 +143,12 @@ def not_an_asyncio_client(kind: str) -> object:
     if kind == "synchronous":
         return redis.Redis()  # never connected: construction must refuse it first
     return {"none": None, "url": "redis://localhost:6379/0"}[kind]
+
+
+@pytest.mark.parametrize("by_name", [limit_concurrency, limiter])
+def test_a_bad_label_is_refused_by_name_as_by_the_classes(by_name: Any) -> None:
+    with pytest.raises(ValueError, match=r"^label must be 1 to 64 characters long, got 0$"):
+        by_name("labelled", 1, label="")
 
 
 @pytest.mark.parametrize("kind", ["none", "synchronous", "url"])

@@ -77,8 +77,9 @@ class AclUser:
 
 #: Every command one of aiosem's Lua scripts may call: Redis checks those too against the caller's ACL.
 SCRIPT_COMMANDS: Final = (
-    "+del", "+get", "+incr", "+persist", "+pexpire", "+pttl", "+set", "+time", "+zadd", "+zcard", "+zintercard",
-    "+zinterstore", "+zmscore", "+zrange", "+zrangebyscore", "+zrem", "+zremrangebyscore", "+zscore",
+    "+del", "+get", "+hdel", "+hmget", "+hset", "+incr", "+persist", "+pexpire", "+pttl", "+set", "+time",
+    "+zadd", "+zcard", "+zintercard", "+zinterstore", "+zmscore", "+zrange", "+zrangebyscore", "+zrem",
+    "+zremrangebyscore", "+zscore",
 )  # fmt: skip
 #: `AsyncFairSemaphore` and `AsyncRateLimiter` (and the decorators of ``kind="fair"``): the scripts (a
 #: server that lacks one gets them all by SCRIPT LOAD), pub/sub for wake-ups, MULTI for `holders`.
@@ -90,12 +91,14 @@ FAIR_COMMANDS: Final = (
 LOCKED_COMMANDS: Final = (
     "+ping", "+subscribe", "+unsubscribe", "+publish", "+multi", "+exec", "+watch", "+unwatch", "+time", "+get",
     "+set", "+del", "+incrby", "+persist", "+pexpire", "+pttl", "+zadd", "+zrem", "+zrange", "+zremrangebyscore",
-    "+zcard", "+zmscore",
+    "+zcard", "+zmscore", "+hset", "+hdel", "+hmget",
 )  # fmt: skip
 #: `aiosem.recipes`: the scripts, and a wake-up for an aiosem waiter of a semaphore they share.
 RECIPE_COMMANDS: Final = ("+evalsha", "+eval", "+script|load", *SCRIPT_COMMANDS, "+publish")
 #: ``python -m aiosem status`` (SCAN, then one MULTI per semaphore) and ``reset`` (ZCARD and DEL too).
-CLI_COMMANDS: Final = ("+scan", "+multi", "+exec", "+time", "+get", "+pttl", "+exists", "+zrange", "+zcard", "+del")
+CLI_COMMANDS: Final = (
+    "+scan", "+multi", "+exec", "+time", "+get", "+pttl", "+exists", "+zrange", "+hgetall", "+zcard", "+del",
+)  # fmt: skip
 #: What ``python -m aiosem demo`` adds: its workers count who holds a permit, under ``aiosem-demo:``.
 DEMO_COMMANDS: Final = ("+incrby", "+decrby")
 #: What a Redis Cluster client adds: redis-py learns the slots and the commands' keys, follows ASK,
