@@ -98,17 +98,17 @@ local function aiosem_zrem_all(key, members)
   end
 end
 
--- The scores of `members` in `key`, false where absent, in chunks that
--- unpack() can take.
-local function aiosem_scores(key, members)
-  local scores = {}
+-- What `command` (ZMSCORE, HMGET) answers for each of `members` in `key`,
+-- false where absent, in chunks that unpack() can take.
+local function aiosem_each(command, key, members)
+  local values = {}
   for i = 1, #members, 1000 do
-    local chunk = redis.call('ZMSCORE', key, unpack(members, i, math.min(i + 999, #members)))
+    local chunk = redis.call(command, key, unpack(members, i, math.min(i + 999, #members)))
     for j = 1, #chunk do
-      scores[#scores + 1] = chunk[j]
+      values[#values + 1] = chunk[j]
     end
   end
-  return scores
+  return values
 end
 
 -- Set one score for all `members` that are in `key` already (ZADD XX).
@@ -174,18 +174,6 @@ local function aiosem_own_lease(record)
   return ms and tonumber(ms) / 1000
 end
 
--- The records of `members`, false where absent, in chunks unpack() can take.
-local function aiosem_records(members)
-  local records = {}
-  for i = 1, #members, 1000 do
-    local chunk = redis.call('HMGET', HOLDERS, unpack(members, i, math.min(i + 999, #members)))
-    for j = 1, #chunk do
-      records[#records + 1] = chunk[j]
-    end
-  end
-  return records
-end
-
 -- Of the permits whose last confirmation is at or before `cutoff` (the
 -- caller's lease ago): those whose own recorded lease, longer than the
 -- caller's, has not run out yet (the spared: members, scores, own leases),
@@ -203,7 +191,7 @@ local function aiosem_past(now, cutoff)
   for i = 1, #found, 2 do
     members[#members + 1] = found[i]
   end
-  local records = aiosem_records(members)
+  local records = aiosem_each('HMGET', HOLDERS, members)
   for i, member in ipairs(members) do
     local score = tonumber(found[2 * i])
     local own = aiosem_own_lease(records[i])

@@ -14,8 +14,8 @@
 -- However many identifiers, this costs a handful of commands: one batch of
 -- waiters proving they are alive is one call, whatever its size.
 return aiosem_run(function(identifiers, state)
-  local tokens = aiosem_scores(OWNERS, identifiers)
-  local queued = aiosem_scores(WAITERS, identifiers)
+  local tokens = aiosem_each('ZMSCORE', OWNERS, identifiers)
+  local queued = aiosem_each('ZMSCORE', WAITERS, identifiers)
   local results, holders, waiters = {}, {}, {}
   for i, identifier in ipairs(identifiers) do
     if tokens[i] then

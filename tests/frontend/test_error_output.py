@@ -9,6 +9,7 @@ never retrieved makes them fail.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import redis
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
     from tests.harness.support import RedisServer
@@ -152,28 +154,39 @@ def test_the_demo_on_a_redis_that_is_not_running_ends_with_one_line(refusing_por
     assert "Connect call failed" in completed.stderr
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_demo_quietly_and_shows_what_it_saw(redis_server: RedisServer) -> None:
-    # A terminal's Ctrl-C: SIGINT to every process of the foreground group.
+@contextlib.contextmanager
+def in_a_terminal(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -m aiosem ARGS`` in a process group of its own, as a terminal's foreground job; killed if left."""
     process = subprocess.Popen(
-        interruptible("-m", "aiosem", "demo", "--url", redis_server.admin_url, "--duration", "60"),
+        interruptible("-m", "aiosem", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        assert process.stdout is not None
-        deadline = time.monotonic() + 60
-        while "in use" not in process.stdout.readline():  # the workers run
-            assert time.monotonic() < deadline
-        os.killpg(process.pid, signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
+        yield process
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode == 130
+
+
+def ctrl_c(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """A terminal's Ctrl-C, SIGINT to every process of the group; what the job printed then."""
+    os.killpg(process.pid, signal.SIGINT)
+    return process.communicate(timeout=60)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_quietly_and_shows_what_it_saw(redis_server: RedisServer) -> None:
+    with in_a_terminal("demo", "--url", redis_server.admin_url, "--duration", "60") as demo:
+        assert demo.stdout is not None
+        deadline = time.monotonic() + 60
+        while "in use" not in demo.stdout.readline():  # the workers run
+            assert time.monotonic() < deadline
+        stdout, stderr = ctrl_c(demo)
+    assert demo.returncode == 130
     assert stderr == ""
     assert stdout.splitlines()[-1].startswith("stopped early: grants ")
     assert "over limit 0" in stdout
@@ -181,23 +194,11 @@ def test_ctrl_c_stops_the_demo_quietly_and_shows_what_it_saw(redis_server: Redis
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_demo_starts_stops_it_quietly() -> None:
-    process = subprocess.Popen(
-        interruptible("-m", "aiosem", "demo", "--duration", "60"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert process.stdout is not None
-        assert "share limit" in process.stdout.readline()  # started, workers not yet up
-        os.killpg(process.pid, signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 130
+    with in_a_terminal("demo", "--duration", "60") as demo:
+        assert demo.stdout is not None
+        assert "share limit" in demo.stdout.readline()  # started, workers not yet up
+        _, stderr = ctrl_c(demo)
+    assert demo.returncode == 130
     assert stderr == ""
 
 
