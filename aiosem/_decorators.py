@@ -35,7 +35,7 @@ from ._observing import log_fields
 from ._options import LimiterOptions, RateByNameOptions, refuse_unknown
 from ._specs import RateSpec, SemaphoreSpec, rate_spec, semaphore_spec
 from ._task_stack import TaskStack
-from ._validation import check_name
+from ._validation import check_cost, check_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
@@ -272,23 +272,25 @@ class _GeneratorHold:
 class _RateLimiter:
     """The async context manager `rate_limiter` returns; reusable, and shareable between tasks.
 
-    Entering it waits for a slot; leaving it does nothing: a slot, once
-    come, is used.
+    Entering it waits for its ``cost`` slots; leaving it does nothing: a
+    slot, once come, is used.
     """
 
-    __slots__ = ("_name", "_options")
+    __slots__ = ("_cost", "_name", "_options")
 
-    def __init__(self, name: str, options: RateSpec) -> None:
+    def __init__(self, name: str, options: RateSpec, cost: int) -> None:
         self._name = name
         self._options = options
+        self._cost = cost
 
     def __repr__(self) -> str:
-        return f"rate_limiter({self._name!r}, rate={self._options.rate!r})"
+        cost = "" if self._cost == 1 else f", cost={self._cost}"
+        return f"rate_limiter({self._name!r}, rate={self._options.rate!r}{cost})"
 
     async def __aenter__(self) -> None:
         entry = await checkout(self._name, self._options)
         try:
-            await entry.cached.__aenter__()
+            await entry.cached._enter(self._cost)  # noqa: SLF001 -- the limiter's own async with, at a cost
         finally:
             entry.state.checkin(entry)
 
@@ -316,10 +318,14 @@ class _Decorator:
     def __init__(self, name: str | Callable[..., str]) -> None:
         self._name = name
 
-    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
+    def _guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[object]:
         raise NotImplementedError
 
-    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
+    def _generator_guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[_Loss | None]:
         raise NotImplementedError
 
     @overload
@@ -356,7 +362,7 @@ class _Decorator:
     def _coroutine(self, function: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(function)
         async def limited(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with self._guard(self._key(function, args, kwargs)):
+            async with self._guard(function, args, kwargs):
                 return await function(*args, **kwargs)
 
         return limited
@@ -364,7 +370,7 @@ class _Decorator:
     def _generator(self, function: Callable[P, AsyncGenerator[Y, S]]) -> Callable[P, AsyncGenerator[Y, S]]:
         @functools.wraps(function)
         async def limited(*args: P.args, **kwargs: P.kwargs) -> AsyncGenerator[Y, S]:
-            async with self._generator_guard(self._key(function, args, kwargs)) as loss:
+            async with self._generator_guard(function, args, kwargs) as loss:
                 generator = function(*args, **kwargs)
                 try:
                     # Forward what the consumer sends and throws, as
@@ -404,33 +410,54 @@ class _ConcurrencyLimit(_Decorator):
     def __repr__(self) -> str:
         return f"limit_concurrency({self._name!r}, limit={self._options.limit!r})"
 
-    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
+    def _guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[object]:
         # The semaphore's own ``async with``: the permit is kept alive, the
         # call cancelled if it is lost.
-        return _Limiter(name, self._options)
+        return _Limiter(self._key(function, args, kwargs), self._options)
 
-    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
-        return _GeneratorHold(name, self._options)
+    def _generator_guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[_Loss | None]:
+        return _GeneratorHold(self._key(function, args, kwargs), self._options)
 
 
 class _RateLimit(_Decorator):
-    """The decorator `limit_rate` returns: a call starts once its slot has come."""
+    """The decorator `limit_rate` returns: a call starts once its slots have come."""
 
-    __slots__ = ("_options",)
+    __slots__ = ("_cost", "_options")
     _decorator = "limit_rate"
 
-    def __init__(self, name: str | Callable[..., str], options: RateSpec) -> None:
+    def __init__(self, name: str | Callable[..., str], options: RateSpec, cost: int | Callable[..., int]) -> None:
         super().__init__(name)
         self._options = options
+        self._cost = cost
 
     def __repr__(self) -> str:
-        return f"limit_rate({self._name!r}, rate={self._options.rate!r})"
+        cost = "" if self._cost == 1 else f", cost={self._cost!r}"
+        return f"limit_rate({self._name!r}, rate={self._options.rate!r}{cost})"
 
-    def _guard(self, name: str) -> AbstractAsyncContextManager[object]:
-        return _RateLimiter(name, self._options)
+    def _cost_of(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """How many slots one call takes: the fixed cost, or what the cost function says of its arguments."""
+        if isinstance(self._cost, int):
+            return self._cost
+        cost = self._cost(*args, **kwargs)
+        burst = None if self._options.rate is None else self._options.rate.burst
+        try:
+            return check_cost(cost, burst)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"the cost function of @limit_rate on {function.__qualname__}: {error}") from None
 
-    def _generator_guard(self, name: str) -> AbstractAsyncContextManager[_Loss | None]:
-        return _RateLimiter(name, self._options)
+    def _guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[object]:
+        return _RateLimiter(self._key(function, args, kwargs), self._options, self._cost_of(function, args, kwargs))
+
+    def _generator_guard(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AbstractAsyncContextManager[_Loss | None]:
+        return _RateLimiter(self._key(function, args, kwargs), self._options, self._cost_of(function, args, kwargs))
 
 
 def limit_concurrency(
@@ -520,6 +547,8 @@ def limit_rate(
     name: str | Callable[..., str],
     rate: float | None = None,
     per: float | None = None,
+    *,
+    cost: int | Callable[..., int] = 1,
     **options: Unpack[RateByNameOptions],
 ) -> _RateLimit:
     """Limit how often calls of an async function start, across every process.
@@ -542,9 +571,16 @@ def limit_rate(
         @aiosem.limit_rate(host_of, 1, per=2)  # robots.txt: Crawl-delay: 2
         async def fetch(url: str) -> bytes: ...
 
+    A call that costs more than one -- a batch of items against a quota of
+    items -- takes ``cost`` slots at once; ``cost`` may be a function of the
+    call's arguments, as ``name`` may:
+
+        @aiosem.limit_rate("geocoder", 100, burst=100, cost=len)  # 100 addresses a second
+        async def geocode(addresses: list[str]) -> list[Point]: ...
+
     The decorated function keeps its signature and type. It may be an
     ``async def`` function or method, or an async generator function, which
-    takes one slot, at its first ``__anext__``.
+    takes its slots once, at its first ``__anext__``.
 
     ``rate``, ``per`` and ``burst`` go together: with ``rate``, ``per``
     defaults to 1 s and ``burst`` to 1; without it, all three come from
@@ -555,8 +591,10 @@ def limit_rate(
     A call of the decorated function raises what the function raises, and:
     `LookupError` if no rate is known for its name, `AcquireTimeout` if its
     slot would come later than ``blocking_timeout`` (it then fails at once,
-    having reserved nothing), `RuntimeError` if nothing is configured in a
-    process that looks like one of several workers (see `configure`), and
+    having reserved nothing), `TypeError` or `ValueError` if its cost is
+    not an int from 1 to the rate's ``burst`` (before anything is sent to
+    Redis), `RuntimeError` if nothing is configured in a process that looks
+    like one of several workers (see `configure`), and
     ``redis.RedisError`` if Redis failed.
 
     Args:
@@ -566,6 +604,8 @@ def limit_rate(
         rate: How many calls may start per ``per`` seconds; ``None``: the
             rate ``configure(rates=...)`` gives for the name.
         per: The window in seconds (default 1); only with ``rate``.
+        cost: How many slots each call takes (default 1), or a function of
+            the call's arguments returning it: an int from 1 to ``burst``.
         **options: The rate limiter's options (`RateByNameOptions`):
             ``burst``, ``blocking_timeout``, ``client``, ``prefix``; each
             left out (or ``None``) is read from `configure` at each call.
@@ -577,27 +617,37 @@ def limit_rate(
         TypeError: An argument has the wrong type; or, from the decorator,
             the function is not an ``async def`` or async generator
             function.
-        ValueError: An argument is out of range, or ``per`` or ``burst``
-            was given without ``rate``.
+        ValueError: An argument is out of range, ``per`` or ``burst`` was
+            given without ``rate``, or a fixed ``cost`` is above the
+            ``burst`` given (it could never be granted).
 
     Cancellation:
-        A call cancelled while it waits for its slot gives the slot back
-        if nobody reserved one after it (see `AsyncRateLimiter.acquire`);
+        A call cancelled while it waits for its slots gives them back if
+        nobody reserved any after it (see `AsyncRateLimiter.acquire`);
         once the call runs, there is nothing to give back.
     """
     if not (isinstance(name, str) or callable(name)):
         raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
     refuse_unknown(options, RateByNameOptions, "limit_rate")
     checked = rate_spec(rate, per, options)
+    if not (isinstance(cost, int) or callable(cost)):
+        raise TypeError(f"cost must be an int or a function returning one, not {type(cost).__name__}")
+    if not callable(cost):
+        cost = check_cost(cost, None if checked.rate is None else checked.rate.burst)
     if isinstance(name, str):
         check_name(name)
         if checked.rate is not None:
             RATES.declare(name, checked.rate)
-    return _RateLimit(name, checked)
+    return _RateLimit(name, checked, cost)
 
 
 def rate_limiter(
-    name: str, rate: float | None = None, per: float | None = None, **options: Unpack[RateByNameOptions]
+    name: str,
+    rate: float | None = None,
+    per: float | None = None,
+    *,
+    cost: int = 1,
+    **options: Unpack[RateByNameOptions],
 ) -> AbstractAsyncContextManager[None]:
     """Limit how often a block of code starts, by a rate limiter's name.
 
@@ -608,9 +658,9 @@ def rate_limiter(
         async with aiosem.rate_limiter("api", 5):  # 5 a second
             await call_api()
 
-    Entering waits for a slot, once, in arrival order; leaving does
-    nothing. The rate comes from the ``rate`` argument (with ``per``,
-    default 1 s, and ``burst``, default 1), else from
+    Entering waits for a slot -- or ``cost`` slots at once -- once, in
+    arrival order; leaving does nothing. The rate comes from the ``rate``
+    argument (with ``per``, default 1 s, and ``burst``, default 1), else from
     ``configure(rates=...)``, else from a `limit_rate` decorator with the
     same (fixed) name created earlier in this process. Every argument left
     out is read from `configure` when the block is entered. The returned
@@ -621,6 +671,8 @@ def rate_limiter(
         rate: How many blocks may start per ``per`` seconds; ``None``:
             configured, or declared by a decorator.
         per: The window in seconds (default 1); only with ``rate``.
+        cost: How many slots entering takes: an int from 1 (the default)
+            to ``burst``.
         **options: The rate limiter's options (`RateByNameOptions`):
             ``burst``, ``blocking_timeout``, ``client``, ``prefix``; each
             left out (or ``None``) is read from `configure` when the block
@@ -632,7 +684,9 @@ def rate_limiter(
     Raises:
         TypeError: An argument has the wrong type (raised at once).
         ValueError: An argument is out of range, or ``per`` or ``burst``
-            was given without ``rate`` (raised at once).
+            was given without ``rate``, or ``cost`` is above the ``burst``
+            given (raised at once); on entering, ``cost`` is above the
+            configured or declared ``burst`` (nothing was sent to Redis).
         LookupError: On entering: no rate for ``name`` anywhere.
         AcquireTimeout: On entering: the slot would come later than
             ``blocking_timeout``; nothing was reserved.
@@ -641,8 +695,11 @@ def rate_limiter(
         redis.RedisError: Redis failed or could not be reached.
 
     Cancellation:
-        A wait cancelled gives its slot back if nobody reserved one after
-        it; leaving the block has nothing to give back.
+        A wait cancelled gives its slots back if nobody reserved any after
+        them; leaving the block has nothing to give back.
     """
     refuse_unknown(options, RateByNameOptions, "rate_limiter")
-    return _RateLimiter(check_name(name), rate_spec(rate, per, options))
+    checked = rate_spec(rate, per, options)
+    return _RateLimiter(
+        check_name(name), checked, check_cost(cost, None if checked.rate is None else checked.rate.burst)
+    )

@@ -53,6 +53,8 @@ class LimiterEvent:
             (``"released"``, ``"lost"``; NaN for a `Permit` made by hand,
             whose grant this process did not see).
         time: When it happened, as `time.time` (the end of ``duration``).
+        cost: How many slots a rate limiter's call asked for (its
+            ``cost``, 1 unless given); 1 for a semaphore.
     """
 
     kind: EventKind
@@ -62,6 +64,7 @@ class LimiterEvent:
     fencing_token: int | None
     duration: float
     time: float
+    cost: int = 1
 
 
 #: The observers, in the order they were added; replaced, never mutated, so
@@ -113,13 +116,14 @@ def emit(
     *,
     identifier: str | None = None,
     fencing_token: int | None = None,
+    cost: int = 1,
 ) -> None:
     """Tell the observers and the ``aiosem.events`` logger that ``kind`` happened."""
     observers = _observers
     logged = event_logger.isEnabledFor(logging.DEBUG)
     if not observers and not logged:
         return
-    event = LimiterEvent(kind, limiter, name, identifier, fencing_token, duration, time.time())
+    event = LimiterEvent(kind, limiter, name, identifier, fencing_token, duration, time.time(), cost)
     if logged:
         event_logger.debug(
             "%s %s %r%s after %.6f s",
@@ -134,6 +138,7 @@ def emit(
                 "aiosem_limiter": limiter,
                 "aiosem_fencing_token": fencing_token,
                 "aiosem_duration": duration,
+                "aiosem_cost": cost,
             },
         )
     for observer in observers:

@@ -20,7 +20,7 @@ from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, RateLimiterOptions, _Default, refuse_unknown
 from ._scripts import RATE_ACQUIRE
 from ._timing import SHORTEST_STEP_BOUND, Bound
-from ._validation import check_callable, check_client, check_name, check_now, check_rate, check_wait
+from ._validation import check_callable, check_client, check_cost, check_name, check_now, check_rate, check_wait
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -56,6 +56,12 @@ class AsyncRateLimiter:
     served in the order their calls reached Redis. ``burst`` slots may be
     taken at once by a limiter that was at rest. The key expires when the
     limiter comes to rest: nothing is stored per call, nor for an idle name.
+
+    A call may cost more than one slot -- a batch of 50 items against a
+    quota of items -- with ``acquire(cost=50)``: it reserves its 50 slots
+    in one step, and comes once no more than ``burst`` slots' worth of
+    reservations, its own included, lie ahead. Costly and cheap calls keep
+    the order in which they reached Redis.
 
     Its keyword options (`RateLimiterOptions`, each described below) are
     ``burst``, ``blocking_timeout``, ``prefix`` and ``clock``.
@@ -122,73 +128,94 @@ class AsyncRateLimiter:
             f"blocking_timeout={self._blocking_timeout!r}, key={self._key!r})"
         )
 
-    async def _run(self, mode: str, argument: str) -> tuple[bool, float, int]:
+    async def _run(self, mode: str, argument: str, cost: int = 1) -> tuple[bool, float, int]:
         now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
         with Bound(SHORTEST_STEP_BOUND, f"a step of rate limiter {self._name!r}"):
             try:
                 granted, wait, tat = await RATE_ACQUIRE.run(
-                    self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument)
+                    self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument, cost)
                 )
             except redis.exceptions.OutOfMemoryError as error:
                 raise out_of_memory(error, self._name, "rate limiter") from None
         return int(granted) == 1, int(wait) / _MICROSECONDS, int(tat)
 
-    async def acquire(self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT) -> bool:
-        """Take a slot, waiting for it if ``blocking``.
+    async def acquire(
+        self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT, *, cost: int = 1
+    ) -> bool:
+        """Take a slot -- or ``cost`` slots at once -- waiting for it if ``blocking``.
 
         One call to Redis reserves the next slot and says when it comes; the
         call then sleeps until then, once. A slot further away than
         ``blocking_timeout`` is not reserved, and the call returns ``False``
         at once: it would only have waited to fail.
 
+        A call that costs more -- a batch API call of 50 items against a
+        quota of items -- takes its ``cost`` slots in the same one step:
+
+            if await api.acquire(cost=len(batch)):
+                await send(batch)
+
+        It comes once at most ``burst`` slots' worth of reservations, its
+        own included, lie ahead: from rest, a call of cost ``burst`` passes
+        at once, and the next call waits as if ``burst`` calls of cost 1
+        had passed. Reservations keep the order in which they reached
+        Redis, whatever their cost.
+
         Args:
-            blocking: Wait for a slot; with ``False``, take one only if it
-                is free now.
+            blocking: Wait for the slots; with ``False``, take them only if
+                they are free now.
             blocking_timeout: How long to wait at most, in seconds; ``None``
                 or infinity waits for ever. Defaults to the limiter's.
+            cost: How many slots the call takes: an int from 1 (the
+                default) to ``burst``.
 
         Returns:
-            ``True`` once the slot has come; ``False`` if none could be had
-            in time.
+            ``True`` once the slots have come; ``False`` if they could not
+            be had in time.
 
         Raises:
-            TypeError: ``blocking_timeout`` is not a number.
-            ValueError: ``blocking_timeout`` is negative or NaN.
+            TypeError: ``blocking_timeout`` is not a number, or ``cost`` not
+                an int.
+            ValueError: ``blocking_timeout`` is negative or NaN; ``cost`` is
+                below 1, or above ``burst`` (it could never be granted).
+                Either is raised before anything is sent to Redis.
             OutOfMemory: Redis's memory is full and it refused the
                 reservation, which took nothing.
             redis.RedisError: Redis failed or could not be reached.
 
         Cancellation:
-            Raised at once, wherever it lands. The slot of a cancelled call
-            -- taken, or its reservation still on its way to Redis -- is
-            given back (shielded, bounded to 5 s) if nobody reserved one
-            after it, so a cancelled caller does not slow the others down.
+            Raised at once, wherever it lands. The slots of a cancelled call
+            -- taken, or their reservation still on its way to Redis -- are
+            given back, all ``cost`` of them (shielded, bounded to 5 s), if
+            nobody reserved any after them, so a cancelled caller does not
+            slow the others down.
         """
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
+        cost = check_cost(cost, self._burst)
         started = time.monotonic()
         watch_eviction_policy(self._client, self._key)
         if not blocking:
-            granted, delay, tat = await self._reserve("try", "")
+            granted, delay, tat = await self._reserve("try", "", cost)
         else:
             longest = "" if wait is None else str(math.floor(wait * _MICROSECONDS))
-            granted, delay, tat = await self._reserve("reserve", longest)
+            granted, delay, tat = await self._reserve("reserve", longest, cost)
         if granted and delay > 0:
-            await self._sleep_until_slot(delay, tat)
-        emit("acquired" if granted else "timed_out", "rate", self._name, time.monotonic() - started)
+            await self._sleep_until_slot(delay, tat, cost)
+        emit("acquired" if granted else "timed_out", "rate", self._name, time.monotonic() - started, cost=cost)
         return granted
 
-    async def _reserve(self, mode: str, argument: str) -> tuple[bool, float, int]:
-        """Take or reserve a slot in a task of its own, so that a cancellation never cuts the call off.
+    async def _reserve(self, mode: str, argument: str, cost: int) -> tuple[bool, float, int]:
+        """Take or reserve ``cost`` slots in a task of its own, so that a cancellation never cuts the call off.
 
-        A caller cancelled meanwhile hears of it at once, once the slot the
-        call took, if it took one, is given back.
+        A caller cancelled meanwhile hears of it at once, once the slots the
+        call took, if it took them, are given back.
         """
-        reservation = asyncio.get_running_loop().create_task(self._run(mode, argument), name="aiosem rate")
+        reservation = asyncio.get_running_loop().create_task(self._run(mode, argument, cost), name="aiosem rate")
         try:
             return await asyncio.shield(reservation)
         except asyncio.CancelledError:
-            await self._give_back(self._slot_of(reservation))
+            await self._give_back(self._slot_of(reservation, cost))
             raise
         except redis.exceptions.AuthenticationError:
             raise
@@ -196,21 +223,21 @@ class AsyncRateLimiter:
             # As a semaphore's: one short traceback, from the caller's frames, naming the Redis.
             raise unavailable(error, self._name, address(self._client), "rate limiter") from None
 
-    async def _slot_of(self, reservation: asyncio.Task[tuple[bool, float, int]]) -> None:
-        """Give back the slot ``reservation`` takes, if it takes one."""
+    async def _slot_of(self, reservation: asyncio.Task[tuple[bool, float, int]], cost: int) -> None:
+        """Give back the ``cost`` slots ``reservation`` takes, if it takes them."""
         try:
             granted, _, tat = await reservation
         except redis.RedisError:
             return  # nothing was taken
         if granted:
-            await self._run("return", str(tat))
+            await self._run("return", str(tat), cost)
 
-    async def _sleep_until_slot(self, delay: float, tat: int) -> None:
-        """Sleep until the reserved slot comes; give it back if cancelled meanwhile."""
+    async def _sleep_until_slot(self, delay: float, tat: int, cost: int) -> None:
+        """Sleep until the reserved slots come; give them back if cancelled meanwhile."""
         try:
             await anyio.sleep(delay)
         except BaseException:
-            await self._give_back(self._run("return", str(tat)))
+            await self._give_back(self._run("return", str(tat), cost))
             raise
 
     async def _give_back(self, call: Awaitable[object]) -> None:
@@ -225,9 +252,9 @@ class AsyncRateLimiter:
                 extra=log_fields(self._name),
             )
 
-    async def try_acquire(self) -> bool:
-        """Take a slot if one is free now, without waiting; the same as ``acquire(blocking=False)``."""
-        return await self.acquire(blocking=False)
+    async def try_acquire(self, *, cost: int = 1) -> bool:
+        """Take a slot (or ``cost`` slots) if free now, without waiting; the same as ``acquire(blocking=False)``."""
+        return await self.acquire(blocking=False, cost=cost)
 
     async def aclose(self) -> None:
         """Nothing to give back or stop: a limiter keeps nothing in the background."""
@@ -241,7 +268,11 @@ class AsyncRateLimiter:
                 reservation, which took nothing.
             redis.RedisError: Redis failed or could not be reached.
         """
-        if not await self.acquire():
+        await self._enter(1)
+
+    async def _enter(self, cost: int) -> None:
+        """Wait for ``cost`` slots, up to ``blocking_timeout``, as ``async with`` does for one (and `rate_limiter`)."""
+        if not await self.acquire(cost=cost):
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=self._name, blocking_timeout=self._blocking_timeout, what="slot of rate limiter")
 

@@ -193,6 +193,23 @@ def check_burst(value: object) -> int:
     return value
 
 
+def check_cost(value: object, burst: int | None = None, argument: str = "cost") -> int:
+    """How many slots of a rate limiter one call takes: at least 1, and at most ``burst`` when it is known.
+
+    A cost above the burst could never be granted: refused before anything is sent.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument} must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{argument} must be at least 1, got {_shown(value)}")
+    if burst is not None and value > burst:
+        raise ValueError(
+            f"{argument} must be at most burst ({burst}), got {_shown(value)}: a call of that cost could never "
+            "be granted"
+        )
+    return value
+
+
 def check_replicas(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"replicas must be an int, not {type(value).__name__}")

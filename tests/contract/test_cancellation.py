@@ -26,7 +26,7 @@ from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
 from aiosem._waiting import WaitQueue
 from tests.harness.proxy import TcpProxy
-from tests.harness.support import until_subscribed
+from tests.harness.support import FakeClock, until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -420,6 +420,20 @@ async def test_a_cancelled_rate_limited_call_raises_wherever_it_lands(users_clie
         limiter = AsyncRateLimiter(users_client, f"sweep-rate-{turns}", 1000)
         running, outcome = await cancelled_after(turns, limiter.acquire())
         assert_cancelled(running, outcome, turns)
+
+
+async def test_a_cancelled_costly_rate_limited_call_gives_all_its_slots_back_wherever_it_lands(
+    users_client: redis.asyncio.Redis, direct: redis.asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    for turns in CANCEL_AFTER:
+        limiter = AsyncRateLimiter(users_client, f"sweep-cost-{turns}", 1, burst=5, clock=clock)
+        assert await limiter.acquire(cost=5)
+        before = await direct.get(limiter.key)
+        running, outcome = await cancelled_after(turns, limiter.acquire(cost=3))  # its slots are 3 s away
+        assert_cancelled(running, outcome, turns)
+        # Taken and given back, or never taken: the next call finds the TAT the first left.
+        assert await direct.get(limiter.key) == before, f"cancelled after {turns} turns"
 
 
 async def test_asyncio_timeout_fires_around_an_acquire_wherever_it_lands(

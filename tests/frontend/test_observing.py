@@ -126,6 +126,18 @@ async def test_rate_limiter_slots_are_told_as_acquired_or_timed_out(
     ]
 
 
+async def test_a_rate_limiter_event_carries_the_cost_of_its_call(
+    client: redis.asyncio.Redis, events: list[LimiterEvent], caplog: pytest.LogCaptureFixture
+) -> None:
+    limiter = AsyncRateLimiter(client, "observed", rate=1, per=10, burst=5)
+    with caplog.at_level(logging.DEBUG, logger="aiosem.events"):
+        assert await limiter.acquire(cost=3)
+        assert not await limiter.try_acquire(cost=4)
+        assert await limiter.try_acquire()
+    assert [(event.kind, event.cost) for event in events] == [("acquired", 3), ("timed_out", 4), ("acquired", 1)]
+    assert [record.__dict__["aiosem_cost"] for record in caplog.records] == [3, 4, 1]
+
+
 async def test_an_observer_that_raises_is_logged_and_does_not_disturb_the_caller(
     client: redis.asyncio.Redis, events: list[LimiterEvent], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -274,6 +286,27 @@ async def test_otel_spans_cover_each_wait_and_hold_with_their_real_times(
         StatusCode.UNSET,
     ]
     assert [span.parent and span.parent.span_id for span in spans] == [request.get_span_context().span_id] * 5
+
+
+async def test_otel_wait_spans_of_a_rate_limiter_carry_the_cost(
+    real_client: redis.asyncio.Redis, telemetry: Telemetry
+) -> None:
+    limiter = AsyncRateLimiter(real_client, "otel", rate=1, per=10, burst=5)
+    assert await limiter.acquire(cost=3)
+    assert not await limiter.try_acquire(cost=4)
+    spans = [span for span in telemetry.spans.get_finished_spans() if span.name.startswith("aiosem.")]
+    assert [(span.name, dict(span.attributes or {})) for span in spans] == [
+        (
+            "aiosem.wait",
+            {"aiosem.name": "otel", "aiosem.limiter": "rate", "aiosem.outcome": "acquired", "aiosem.cost": 3},
+        ),
+        (
+            "aiosem.wait",
+            {"aiosem.name": "otel", "aiosem.limiter": "rate", "aiosem.outcome": "timed_out", "aiosem.cost": 4},
+        ),
+    ]
+    rate = {"aiosem.name": "otel", "aiosem.limiter": "rate"}
+    assert telemetry.points()["aiosem.grants"] == [(rate, 1)]  # calls are counted, not slots
 
 
 async def test_otel_counts_a_lost_permit(real_client: redis.asyncio.Redis, telemetry: Telemetry) -> None:

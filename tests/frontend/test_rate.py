@@ -24,6 +24,7 @@ from aiosem import AcquireTimeout, AsyncRateLimiter
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+    from pathlib import Path
 
     from tests.harness.support import FakeClock
 
@@ -148,24 +149,124 @@ async def test_the_key_expires_when_the_limiter_comes_to_rest(client: redis.asyn
             await anyio.sleep(0.02)
 
 
+# --- calls that cost more than one ---------------------------------------------------
+
+
+@pytest.fixture
+def unreachable(tmp_path: Path) -> redis.asyncio.Redis:
+    """A client of no server at all: any command it sends fails, so a refusal it gives was made before sending."""
+    return redis.asyncio.Redis(unix_socket_path=str(tmp_path / "no-server.sock"))
+
+
+@pytest.mark.parametrize(
+    ("cost", "error", "message"),
+    [
+        (0, ValueError, r"^cost must be at least 1, got 0$"),
+        (-2, ValueError, r"^cost must be at least 1, got -2$"),
+        (4, ValueError, r"^cost must be at most burst \(3\), got 4: a call of that cost could never be granted$"),
+        (2.0, TypeError, r"^cost must be an int, not float$"),
+        (True, TypeError, r"^cost must be an int, not bool$"),
+        ("2", TypeError, r"^cost must be an int, not str$"),
+    ],
+)
+async def test_a_bad_cost_is_refused_before_anything_is_sent(
+    unreachable: redis.asyncio.Redis, cost: object, error: type[Exception], message: str
+) -> None:
+    limiter = AsyncRateLimiter(unreachable, "api", 5, burst=3)
+    with pytest.raises(error, match=message):
+        await limiter.acquire(cost=cost)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        await limiter.try_acquire(cost=cost)  # type: ignore[arg-type]
+
+
+async def test_a_call_of_cost_k_takes_k_slots(client: redis.asyncio.Redis, clock: FakeClock) -> None:
+    limiter = AsyncRateLimiter(client, "batch", 10, burst=10, clock=clock)  # a slot every 0.1 s
+    assert await limiter.try_acquire(cost=10)  # the whole burst, from rest
+    assert not await limiter.try_acquire()
+    _, wait, _ = await limiter._run("reserve", "")
+    assert wait == pytest.approx(0.1)  # as after ten calls of cost 1
+
+
+async def test_a_costly_try_is_refused_until_enough_slots_are_free(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "batch", 10, burst=5, clock=clock)
+    assert await limiter.try_acquire(cost=3)
+    before = await client.get(limiter.key)
+    assert not await limiter.try_acquire(cost=3)  # two of five slots are left
+    assert await client.get(limiter.key) == before  # a refusal takes nothing
+    assert await limiter.try_acquire(cost=2)
+    clock.advance(0.2)  # two intervals: two slots come back
+    assert not await limiter.try_acquire(cost=3)
+    assert await limiter.try_acquire(cost=2)
+
+
+async def test_costly_and_cheap_calls_are_served_in_arrival_order(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "batch", 10, burst=5, clock=clock)  # a slot every 0.1 s
+    waits = [(await limiter._run("reserve", "", cost))[1] for cost in (5, 1, 5, 1)]
+    # Neither jumps the other: the cheap call after a costly one waits one
+    # interval, the costly one after it waits for its five slots, and the
+    # cheap one behind that waits for those.
+    assert waits == pytest.approx([0.0, 0.1, 0.6, 0.7])
+
+
+async def test_a_costly_slot_further_than_the_blocking_timeout_is_not_reserved(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "batch", 10, burst=5, clock=clock)
+    assert await limiter.acquire(cost=5)
+    before = await client.get(limiter.key)
+    assert not await limiter.acquire(blocking_timeout=0.25, cost=3)  # its three slots are 0.3 s away
+    assert await client.get(limiter.key) == before
+
+
+async def test_a_cancelled_costly_wait_gives_all_its_slots_back(client: redis.asyncio.Redis, clock: FakeClock) -> None:
+    limiter = AsyncRateLimiter(client, "batch", 1, burst=5, clock=clock)  # a slot a second
+    assert await limiter.acquire(cost=5)
+    after_first = await client.get(limiter.key)
+    with anyio.move_on_after(0.2) as scope:
+        await limiter.acquire(cost=3)  # its slots are 3 s away
+    assert scope.cancelled_caught
+    assert await client.get(limiter.key) == after_first
+    _, wait, _ = await limiter._run("reserve", "")
+    assert wait == pytest.approx(1.0)  # the next call is not delayed by the three given back
+
+
 # --- the script against a model --------------------------------------------------
 
 
 @dataclass
 class Model:
-    """GCRA as a few lines of Python, in integer microseconds."""
+    """GCRA with a cost, as a few lines of Python, in integer microseconds.
+
+    Written from the definition rather than from the script: a call of
+    cost k moves the TAT on by k intervals, and is allowed once the new
+    TAT is no more than ``burst`` intervals ahead.
+    """
 
     interval: int
-    tolerance: int
+    burst: int
     tat: int = 0
 
-    def take(self, now: int, longest: int | None) -> tuple[bool, int]:
-        tat = max(self.tat if self.tat > now else 0, now)
-        wait = max(0, tat - self.tolerance - now)
+    def stored(self, now: int) -> int:
+        """The TAT in Redis: its key expires when it is reached."""
+        return self.tat if self.tat > now else 0
+
+    def take(self, now: int, longest: int | None, cost: int) -> tuple[bool, int, int]:
+        new_tat = max(self.stored(now), now) + cost * self.interval
+        wait = max(0, new_tat - self.burst * self.interval - now)
         if longest is not None and wait > longest:
-            return False, wait
-        self.tat = tat + self.interval
-        return True, wait
+            return False, wait, self.stored(now)
+        self.tat = new_tat
+        return True, wait, new_tat
+
+    def give_back(self, now: int, reserved: int, cost: int) -> tuple[bool, int, int]:
+        if self.stored(now) != reserved:
+            return False, 0, self.stored(now)
+        self.tat = reserved - cost * self.interval
+        return True, 0, self.tat
 
 
 @contextlib.contextmanager
@@ -177,9 +278,13 @@ def server_clock(clock: Callable[[], float]) -> Iterator[None]:
 
 operations = st.lists(
     st.tuples(
-        st.integers(min_value=0, max_value=3_000_000),  # microseconds to advance first
-        st.sampled_from(["try", "reserve"]),
+        # Microseconds to advance first: often none or little, so that a
+        # return finds its slots still ahead.
+        st.just(0) | st.integers(min_value=0, max_value=100_000) | st.integers(min_value=0, max_value=3_000_000),
+        st.sampled_from(["try", "reserve", "return"]),
         st.one_of(st.none(), st.integers(min_value=0, max_value=2_000_000)),
+        st.integers(min_value=0, max_value=4),  # the cost, less one, modulo the burst
+        st.integers(min_value=0, max_value=3),  # which grant a return gives back, counted from the last
     ),
     max_size=30,
 )
@@ -193,21 +298,39 @@ operations = st.lists(
     steps=operations,
 )
 def test_the_script_matches_the_model(
-    rate: int, per: float, burst: int, steps: list[tuple[int, str, int | None]]
+    rate: int, per: float, burst: int, steps: list[tuple[int, str, int | None, int, int]]
 ) -> None:
     now = [1_700_000_000_000_000]
 
     async def run() -> None:
         client = fakeredis.FakeAsyncRedis()
         limiter = AsyncRateLimiter(client, "model", rate, per, burst=burst, clock=lambda: now[0] / 1e6)
-        interval = limiter._interval_us
-        model = Model(interval, (burst - 1) * interval)
-        for advance, mode, longest in steps:
+        model = Model(limiter._interval_us, burst)
+        granted_so_far: list[tuple[int, int]] = []  # (the TAT each grant left, its cost)
+        for advance, mode, longest, extra, back in steps:
             now[0] += advance
-            argument = "" if mode == "try" or longest is None else str(longest)
-            granted, wait, _ = await limiter._run(mode, argument)
-            expected = model.take(now[0], 0 if mode == "try" else longest)
-            assert (granted, round(wait * 1e6)) == expected
+            if mode == "return":
+                if not granted_so_far:
+                    continue
+                reserved, cost = granted_so_far[-1 - back % len(granted_so_far)]
+                if reserved <= now[0]:
+                    continue  # a wait is cancelled before its slot, so before the TAT it left
+                expected = model.give_back(now[0], reserved, cost)
+                argument = str(reserved)
+            else:
+                cost = 1 + extra % burst
+                expected = model.take(now[0], 0 if mode == "try" else longest, cost)
+                argument = "" if mode == "try" or longest is None else str(longest)
+            granted, wait, tat = await limiter._run(mode, argument, cost)
+            # A refusal's TAT is the key as read, which may outlive its TAT by
+            # up to a millisecond (its TTL is in whole ones): not the model's.
+            assert (granted, round(wait * 1e6), tat if granted else None) == (
+                expected[0],
+                expected[1],
+                expected[2] if expected[0] else None,
+            )
+            if granted and mode != "return":
+                granted_so_far.append((tat, cost))
         await client.aclose()
 
     # The limiter's key expires when its TAT is reached, on the server's clock;

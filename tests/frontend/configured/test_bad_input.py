@@ -597,6 +597,34 @@ async def test_a_rate_limiter_refuses_a_bad_blocking_timeout_before_reserving(
             await limiter_.acquire(blocking_timeout=value)  # type: ignore[arg-type]
 
 
+def cost_refusal(value: object, burst: int) -> tuple[type[Exception], str] | None:
+    """What a rate limiter refuses as a call's cost: the error, and the start of its message as a pattern."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return TypeError, f"cost must be an int, not {type_name(value)}$"
+    if value < 1:
+        return ValueError, "cost must be at least 1, got "
+    if value > burst:
+        return ValueError, re.escape(f"cost must be at most burst ({burst}), got ")
+    return None
+
+
+@FUZZ
+@given(cost=any_number, burst=st.integers(min_value=1, max_value=5))
+async def test_a_rate_limiter_takes_its_cost_or_refuses_it_before_reserving(
+    busy: redis.asyncio.Redis, cost: object, burst: int
+) -> None:
+    limiter_ = AsyncRateLimiter(busy, BUSY, 1, per=600, burst=burst)
+    refusal = cost_refusal(cost, burst)
+    if refusal is not None:
+        async with redis_unchanged(busy):
+            with pytest.raises(refusal[0], match=f"^{refusal[1]}"):
+                await limiter_.acquire(cost=cost)  # type: ignore[arg-type]
+        return
+    fresh = AsyncRateLimiter(busy, "fuzzed", 1, per=600, burst=burst)
+    assert await fresh.try_acquire(cost=cost)  # type: ignore[arg-type]
+    await busy.delete(fresh.key)
+
+
 RATE_OVERFLOWS = [
     pytest.param({"rate": 1e-303}, id="rate=1e-303"),
     pytest.param({"rate": 1e-300}, id="rate=1e-300"),

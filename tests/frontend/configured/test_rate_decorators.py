@@ -30,6 +30,7 @@ from tests.harness.limiting import state, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Sequence
+    from contextlib import AbstractAsyncContextManager
 
     import redis.asyncio
 
@@ -86,6 +87,11 @@ def test_a_sync_function_is_refused_when_decorated() -> None:
         ({"rate": 1, "blocking_timeout": -1}, ValueError, "blocking_timeout must not be negative"),
         ({"rate": 1, "prefix": "a{b"}, ValueError, "prefix must not contain"),
         ({"rate": 1, "client": object()}, TypeError, r"client must be a redis\.asyncio\.Redis"),
+        ({"rate": 1, "cost": 0}, ValueError, "cost must be at least 1, got 0"),
+        ({"rate": 1, "cost": 1.5}, TypeError, "cost must be an int"),
+        ({"rate": 1, "cost": True}, TypeError, "cost must be an int, not bool"),
+        ({"rate": 1, "burst": 3, "cost": 4}, ValueError, r"cost must be at most burst \(3\), got 4: a call of that"),
+        ({"cost": 0}, ValueError, "cost must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_decorator_or_limiter_is_made(
@@ -221,6 +227,102 @@ async def test_the_configured_blocking_timeout_applies_to_rate_limits() -> None:
     await call()
     with anyio.fail_after(1), pytest.raises(AcquireTimeout):
         await call()
+
+
+# --- calls that cost more than one --------------------------------------------------
+
+
+def test_a_limiter_takes_a_fixed_cost_and_a_decorator_a_function_of_the_call_too() -> None:
+    with pytest.raises(TypeError, match=r"^cost must be an int, not function$"):
+        rate_limiter("api", 1, cost=lambda: 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^cost must be an int or a function returning one, not str$"):
+        limit_rate("api", 1, cost="2")  # type: ignore[arg-type]
+
+
+def test_a_cost_other_than_one_shows_in_the_repr() -> None:
+    assert repr(rate_limiter("api", 5)) == "rate_limiter('api', rate=Rate(rate=5.0, per=1.0, burst=1))"
+    assert repr(rate_limiter("api", 5, burst=3, cost=2)) == (
+        "rate_limiter('api', rate=Rate(rate=5.0, per=1.0, burst=3), cost=2)"
+    )
+    assert repr(limit_rate("api", 5, burst=3, cost=len)) == (
+        "limit_rate('api', rate=Rate(rate=5.0, per=1.0, burst=3), cost=<built-in function len>)"
+    )
+
+
+@pytest.mark.usefixtures("backend")
+async def test_a_decorated_call_takes_the_slots_its_cost_function_gives() -> None:
+    @limit_rate("geocoder", 1, per=60, burst=10, blocking_timeout=0, cost=len)
+    async def geocode(addresses: list[str]) -> int:
+        return len(addresses)
+
+    with anyio.fail_after(1):
+        assert await geocode(["a"] * 6) == 6
+        assert await geocode(["b"] * 4) == 4  # ten of ten slots taken
+        with pytest.raises(AcquireTimeout, match="'geocoder'"):
+            await geocode(["c"])  # the next slot is a minute away
+
+
+@pytest.mark.usefixtures("backend")
+async def test_a_cost_function_that_gives_a_bad_cost_fails_the_call_before_anything_is_sent(
+    backend: redis.asyncio.Redis,
+) -> None:
+    def cost(addresses: list[str]) -> int:
+        return len(addresses) if addresses else "none"  # type: ignore[return-value]
+
+    @limit_rate("geocoder", 5, burst=3, cost=cost)
+    async def geocode(addresses: list[str]) -> None:
+        pytest.fail("a call of a bad cost must not run")  # pragma: no cover
+
+    with pytest.raises(
+        ValueError, match=r"^the cost function of @limit_rate on .*geocode: cost must be at most burst \(3\), got 4"
+    ):
+        await geocode(["a"] * 4)
+    with pytest.raises(
+        TypeError, match=r"^the cost function of @limit_rate on .*geocode: cost must be an int, not str"
+    ):
+        await geocode([])
+    assert not await backend.exists("aiosem:{geocoder}:rate")
+
+
+@pytest.mark.usefixtures("backend")
+async def test_a_cost_above_the_configured_burst_fails_the_call_when_it_is_made() -> None:
+    aiosem.configure(rates={"geocoder": (1, 60, 3)})
+
+    @limit_rate("geocoder", cost=len)  # the burst is not known yet
+    async def geocode(addresses: list[str]) -> None: ...
+
+    await geocode(["a"] * 3)
+    with pytest.raises(ValueError, match=r"^cost must be at most burst \(3\), got 4"):
+        await geocode(["b"] * 4)
+    assert not state().busy
+
+
+@pytest.mark.usefixtures("backend")
+async def test_a_rate_limiter_enters_once_its_cost_in_slots_has_come() -> None:
+    def batch(cost: int) -> AbstractAsyncContextManager[None]:
+        return rate_limiter("export", 1, per=60, burst=10, blocking_timeout=0, cost=cost)
+
+    with anyio.fail_after(1):
+        async with batch(6):
+            pass
+        with pytest.raises(AcquireTimeout, match="'export'"):
+            async with batch(5):
+                pytest.fail("only four slots are left")  # pragma: no cover
+        async with batch(4):
+            pass
+
+
+@pytest.mark.usefixtures("backend")
+async def test_a_generator_takes_its_cost_at_its_first_item() -> None:
+    @limit_rate("export", 1, per=60, burst=5, blocking_timeout=0, cost=lambda count: count)
+    async def rows(count: int) -> AsyncGenerator[int, None]:
+        for row in range(count):
+            yield row
+
+    assert [row async for row in rows(3)] == [0, 1, 2]
+    with pytest.raises(AcquireTimeout, match="'export'"):
+        await anext(rows(3))  # two slots are left
+    assert [row async for row in rows(2)] == [0, 1]
 
 
 # --- async generators ---------------------------------------------------------------

@@ -39,6 +39,10 @@ def check(client: redis.asyncio.Redis) -> None:
     limit_rate("api", 5, burst=2, prefix="app")
     rate_limiter("api", 5, per=2.0, burst=None)
     rate_limiter("api", 5, refresh_interval=1.0)  # type: ignore[call-arg]
+    limit_rate("api", 5, burst=50, cost=len)
+    limit_rate("api", 5, burst=50, cost=str)  # type: ignore[arg-type]
+    rate_limiter("api", 5, burst=50, cost=10)
+    rate_limiter("api", 5, burst=50, cost=len)  # type: ignore[arg-type]
     configure(url="redis://localhost", replicas=1, rates={"api": (5, 1.0)})
     configure(lock_timeout=1)  # type: ignore[call-arg]
     limit("db", 3, retry_after=2, refresh_interval=1.0)
