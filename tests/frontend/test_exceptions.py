@@ -26,6 +26,7 @@ from aiosem import (
     RedisUnavailable,
     SemaphoreError,
 )
+from aiosem._urls import close, connect
 
 if TYPE_CHECKING:
     from tests.harness.support import RedisServer
@@ -117,14 +118,16 @@ async def test_a_step_that_cannot_reach_redis_raises_redis_unavailable_naming_it
 
 
 async def test_a_rate_limiter_that_cannot_reach_redis_raises_redis_unavailable_naming_it(refusing_port: int) -> None:
-    client = redis.asyncio.Redis(host="127.0.0.1", port=refusing_port)
+    # A client from a URL, as configure() makes: redis-py's default one retries a refused
+    # connection for longer than a step's bound, which then ends the call with a TimeoutError.
+    client = connect(f"redis://127.0.0.1:{refusing_port}/0")
     limiter = AsyncRateLimiter(client, "api", 5)
     try:
         with pytest.raises(RedisUnavailable, match=r"is unreachable, for rate limiter 'api': "):
             await limiter.acquire(blocking=False)
     finally:
         await limiter.aclose()
-        await client.aclose()
+        await close(client)
 
 
 async def test_credentials_redis_refuses_stay_redis_pys_authentication_error(redis_server: RedisServer) -> None:
