@@ -296,7 +296,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         server = embedded_server()
         url = server.__enter__()
     except ModuleNotFoundError as error:
-        raise _Refusal(f"the embedded server needs {error.name}: {install_hint('memory')}, or pass --url", 2) from None
+        raise _Refusal(
+            f"the embedded server needs {error.name}: {install_hint('memory')}, or pass --url", _EXIT_USAGE
+        ) from None
     try:
         return run_demo(config(url), embedded=True)
     finally:
