@@ -17,6 +17,7 @@ from ._decorators import limiter as limiter
 from ._decorators import rate_limiter as rate_limiter
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import LimitMismatch as LimitMismatch
+from ._exceptions import LimitNotSet as LimitNotSet
 from ._exceptions import NotReplicated as NotReplicated
 from ._exceptions import OutOfMemory as OutOfMemory
 from ._exceptions import PermitLost as PermitLost
@@ -38,6 +39,7 @@ __all__ = [
     "AsyncLockedSemaphore",
     "AsyncRateLimiter",
     "LimitMismatch",
+    "LimitNotSet",
     "LimiterEvent",
     "NotReplicated",
     "OutOfMemory",

@@ -86,7 +86,8 @@ class Settings:
     """A semaphore object's settings, checked by its constructor: what its parts read at every step."""
 
     name: str
-    limit: int
+    #: The limit the object brings; ``None``: it takes the one in force in Redis.
+    limit: int | None
     #: The lease, in seconds.
     timeout: float
     waiter_ttl: float
@@ -154,7 +155,7 @@ class Core:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lanes: dict[Step, Lane[Reply]] = {}
         #: What the last step answered: the counts `statistics` shows.
-        self.last = Reply(0, 0, None, ())
+        self.last = Reply(0, 0, settings.limit, None, ())
         self.backend = backend(self)
         self.queue = WaitQueue(self)
         self.holdings = Holdings(self)
@@ -225,7 +226,9 @@ class Core:
                 break
             spent = 0.0
             if step is Step.TRY:
-                reply = Reply(self.last.holders, self.last.waiting, None, (REFUSED,) * len(identifiers))
+                reply = Reply(
+                    self.last.holders, self.last.waiting, self.last.limit, None, (REFUSED,) * len(identifiers)
+                )
                 break
             # A step that has to happen may wait out a busy lock for as long
             # as a lease: by then the answer is moot.

@@ -4,7 +4,8 @@
 of 3, so that a ``limiter("db")`` given none may use it; likewise
 ``@limit_rate("api", 5)`` for ``rate_limiter("api")``. A value given to the
 call wins, then one configured by name, then the one declaration -- and
-several different declarations of one name are refused as ambiguous.
+several different declarations of one name are refused as ambiguous. A
+semaphore found with no limit at all takes the one in force in Redis.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ class Declarable(Generic[V]):
         with _lock:
             _declared.setdefault((self.setting, name), set()).add(value)
 
-    def resolve(self, name: str, given: V | None, configured: Mapping[str, V]) -> V:
-        """The value of a call: given, else ``configured`` by name, else declared by a decorator.
+    def find(self, name: str, given: V | None, configured: Mapping[str, V]) -> V | None:
+        """The value of a call: given, else ``configured`` by name, else declared by a decorator, else ``None``.
 
         Raises:
-            LookupError: None of them, or several different declarations.
+            LookupError: Several different declarations, and nothing given or configured.
         """
         if given is not None:
             return given
@@ -61,12 +62,24 @@ class Declarable(Generic[V]):
             declared = sorted(_declared.get((self.setting, name), ()))
         if len(declared) == 1:
             return declared[0]  # type: ignore[no-any-return]
-        what = f"no {self.argument} for {self.owner} {name!r}"
         if declared:
             raise LookupError(
-                f"{what}: decorators declare it with different {self.setting} {declared}; "
-                f"pass {self.argument}=, or set one with aiosem.configure({self.setting}={{{name!r}: ...}})"
+                f"no {self.argument} for {self.owner} {name!r}: decorators declare it with different "
+                f"{self.setting} {declared}; pass {self.argument}=, or set one with "
+                f"aiosem.configure({self.setting}={{{name!r}: ...}})"
             )
+        return None
+
+    def resolve(self, name: str, given: V | None, configured: Mapping[str, V]) -> V:
+        """As `find`, but a value must be found.
+
+        Raises:
+            LookupError: None found, or several different declarations.
+        """
+        found = self.find(name, given, configured)
+        if found is not None:
+            return found
+        what = f"no {self.argument} for {self.owner} {name!r}"
         raise LookupError(
             f"{what}: pass {self.argument}=, set one with aiosem.configure({self.setting}={{{name!r}: ...}}), "
             f"or decorate a function with @{self.decorator}({name!r}, ...) first"

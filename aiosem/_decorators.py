@@ -144,8 +144,10 @@ def limiter(
 
     The limit comes from the ``limit`` argument, else from
     ``configure(limits=...)``, else from a `limit_concurrency` decorator
-    with the same (fixed) name created earlier in this process. Every
-    argument left out is read from `configure` when the block is entered.
+    with the same (fixed) name created earlier in this process, else from
+    Redis: the limit in force there (see `AsyncFairSemaphore.set_limit`).
+    A limit set in Redis wins over all of them. Every argument left out is
+    read from `configure` when the block is entered.
     The returned object can be kept and entered again, by any number of
     tasks at once, each with a permit of its own.
 
@@ -159,7 +161,7 @@ def limiter(
     Args:
         name: The semaphore's name.
         limit: How many permits may be held at once; ``None``: configured,
-            or declared by a decorator.
+            declared by a decorator, or else the one in force in Redis.
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
             ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``,
@@ -171,7 +173,9 @@ def limiter(
     Raises:
         TypeError: An argument has the wrong type (raised at once).
         ValueError: An argument is out of range (raised at once).
-        LookupError: On entering: no limit for ``name`` anywhere.
+        LookupError: On entering: decorators declare different limits
+            for ``name``, and none is given or configured; or
+            (`LimitNotSet`) no limit for ``name`` anywhere, Redis included.
         AcquireTimeout: On entering: no permit within ``blocking_timeout``.
         PermitLost: On leaving: the permit was lost while the block ran.
         RuntimeError: On entering: nothing is configured and this process
@@ -495,10 +499,13 @@ def limit_concurrency(
 
     A fixed ``name`` with a ``limit`` declares that limit for a `limiter`
     of the same name given none. Arguments left out are read from
-    `configure` at each call; the limit too, when ``limit`` is ``None``.
+    `configure` at each call; the limit too, when ``limit`` is ``None``
+    (and if none is configured, the one in force in Redis). A limit set in
+    Redis (see `AsyncFairSemaphore.set_limit`) wins over ``limit``.
 
     A call of the decorated function raises what the function raises, and:
-    `LookupError` if no limit is known for its name, `AcquireTimeout` if no
+    `LookupError` if no limit is known for its name (`LimitNotSet`: not
+    even in Redis), `AcquireTimeout` if no
     permit came within ``blocking_timeout``, `PermitLost` if the permit was
     lost while the call ran (the call is cancelled at once; an async
     generator stops at its next ``yield``), `RuntimeError` if nothing is
@@ -509,7 +516,8 @@ def limit_concurrency(
         name: The semaphore's name, or a function of the call's arguments
             returning it.
         limit: How many calls may hold a permit at once; ``None``: the
-            one ``configure(limits=...)`` gives for the name.
+            one ``configure(limits=...)`` gives for the name, or else the
+            one in force in Redis.
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
             ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``

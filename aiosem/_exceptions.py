@@ -5,6 +5,7 @@ Everything aiosem raises on purpose derives from `SemaphoreError`::
     SemaphoreError
     ├── AcquireTimeout   (also a TimeoutError)
     ├── LimitMismatch
+    ├── LimitNotSet      (also a LookupError)
     ├── NotReplicated
     ├── OutOfMemory      (also a redis.exceptions.OutOfMemoryError)
     ├── PermitLost
@@ -28,6 +29,7 @@ import redis.exceptions
 __all__ = [
     "AcquireTimeout",
     "LimitMismatch",
+    "LimitNotSet",
     "NotReplicated",
     "OutOfMemory",
     "PermitLost",
@@ -86,10 +88,12 @@ class AcquireTimeout(SemaphoreError, TimeoutError):
 class LimitMismatch(SemaphoreError):
     """Another client uses the same semaphore with a different limit.
 
-    The limit is stored with the semaphore while anybody holds or waits, so
-    that two deployments that disagree -- three permits here, five there --
-    are told, rather than silently enforcing neither. The acquire that meets
-    the other limit takes nothing.
+    The limit a client brings is stored with the semaphore while anybody
+    holds or waits, so that two deployments that disagree -- three permits
+    here, five there -- are told, rather than silently enforcing neither.
+    The acquire that meets the other limit takes nothing. A limit set with
+    ``set_limit`` (or ``python -m aiosem limit``) is never a mismatch: it is
+    in force for every client, whatever limit each brings.
 
     Attributes:
         name: The name of the semaphore.
@@ -106,6 +110,28 @@ class LimitMismatch(SemaphoreError):
         self.limit = limit
         #: The limit the semaphore is in use with.
         self.stored_limit = stored_limit
+
+
+class LimitNotSet(SemaphoreError, LookupError):
+    """A semaphore made without a limit found none stored in Redis.
+
+    A semaphore made with ``limit=None`` -- or a limiter or decorator given
+    no limit, configured none and declared none -- takes the limit in force
+    in Redis: one set with ``set_limit`` or ``python -m aiosem limit``, or
+    the one the semaphore is in use with. With neither, its acquire takes
+    nothing and raises this. Also a `LookupError`, as a limiter with no
+    limit anywhere always raised.
+
+    Attributes:
+        name: The name of the semaphore.
+    """
+
+    def __init__(self, *, name: str) -> None:
+        super().__init__(
+            f"no limit for semaphore {name!r}: none was given, configured or declared, and none is in force "
+            f"in Redis; pass limit=, or set one with `python -m aiosem limit {name} N`",
+            name=name,
+        )
 
 
 class NotReplicated(SemaphoreError):

@@ -112,7 +112,9 @@ class AsyncFairSemaphore(_Semaphore):
     Args:
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows it.
         name: The semaphore's name: any non-empty string.
-        limit: How many permits may be held at once (at least 1).
+        limit: How many permits may be held at once (at least 1), unless
+            a limit set with `set_limit` is in force; ``None`` takes the
+            limit in force in Redis (see the live limits page).
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -121,7 +123,7 @@ class AsyncFairSemaphore(_Semaphore):
 
     __slots__ = ()
 
-    def __init__(self, client: Client, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> None:
+    def __init__(self, client: Client, name: str, limit: int | None, **options: Unpack[SemaphoreOptions]) -> None:
         refuse_unknown(options, SemaphoreOptions, "AsyncFairSemaphore.__init__")
         super().__init__(client, name, limit, options, ScriptedSteps)
 

@@ -19,7 +19,7 @@ base key as its ``semname``:
 ``prefix:{name}:waiters``         waiters: identifier -> presumed dead at (s)
 ``prefix:{name}:cancelled``       tombstones: identifier -> refused until (s)
 ``prefix:{name}:tickets``         the last ticket handed to a waiter
-``prefix:{name}:limit``           the limit in use, while anybody holds or waits
+``prefix:{name}:limit``           the limit in force: ``n`` brought, while in use; ``=n`` set, until cleared
 ``prefix:{name}:holders``         records: identifier -> [lease (ms), pid, host, label]
 ``prefix:{name}:receipt:<id>``    what release call <id> released, while it may be retried
 ``prefix:{name}:wake:<token>``    the channel of one process's waiters
@@ -75,6 +75,21 @@ def decode_record(raw: bytes | str) -> Record | None:
     if not (isinstance(lease_ms, int) and isinstance(pid, int) and isinstance(host, str)):
         return None
     return Record(lease_ms / 1000, pid, host, label if isinstance(label, str) else None)
+
+
+def decode_limit(raw: bytes | str | None) -> tuple[int | None, bool]:
+    """The limit ``:limit`` holds, and whether it was set (``=n``) rather than brought by a caller (``n``).
+
+    ``(None, False)`` for none, or for anything else (written by whom?).
+    """
+    if raw is None:
+        return None, False
+    value = raw.decode() if isinstance(raw, bytes) else raw
+    set_ = value.startswith("=")
+    digits = value[1:] if set_ else value
+    if not digits.isdigit():
+        return None, False
+    return int(digits), set_
 
 
 def _ceil_ms(seconds: float) -> int:
@@ -137,7 +152,7 @@ class SemaphoreKeys:
 
     @property
     def limit(self) -> str:
-        """The limit the semaphore is in use with, while anybody holds or waits."""
+        """The limit in force: brought by a caller, while anybody holds or waits; or set, until cleared."""
         return f"{self.base}:limit"
 
     @property

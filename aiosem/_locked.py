@@ -17,6 +17,7 @@ from ._background import Background
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
 from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
+from ._keys import decode_limit
 from ._observing import log_fields
 from ._options import DEFAULT_LOCK_TIMEOUT, LockedSemaphoreOptions, refuse_unknown
 from ._plan import Decision, ReadState, past_cutoff, plan_step
@@ -88,7 +89,9 @@ class AsyncLockedSemaphore(_Semaphore):
         client: A ``redis.asyncio.Redis`` client; the semaphore borrows one
             connection of its pool per step.
         name: The semaphore's name: any non-empty string.
-        limit: How many permits may be held at once (at least 1).
+        limit: How many permits may be held at once (at least 1), unless
+            a limit set with `set_limit` is in force; ``None`` takes the
+            limit in force in Redis (see the live limits page).
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).
@@ -97,7 +100,7 @@ class AsyncLockedSemaphore(_Semaphore):
 
     __slots__ = ()
 
-    def __init__(self, client: Client, name: str, limit: int, **options: Unpack[LockedSemaphoreOptions]) -> None:
+    def __init__(self, client: Client, name: str, limit: int | None, **options: Unpack[LockedSemaphoreOptions]) -> None:
         refuse_unknown(options, LockedSemaphoreOptions, "AsyncLockedSemaphore.__init__")
         lock_timeout = options.pop("lock_timeout", DEFAULT_LOCK_TIMEOUT)
         super().__init__(client, name, limit, options, lambda core: WatchedSteps(core, lock_timeout))
@@ -202,7 +205,7 @@ class WatchedSteps:
         # when it arrived (or here, for one queued again) and kept through
         # retries: waiting out a busy lock never costs it its place.
         unticketed = [m for m in members if m not in self._tickets] if step is Step.WAIT else []
-        reads = self._reads(members, call, server_time=now is None)
+        reads = self._reads(step, members, call, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
         # the lock may be ours: a compare-and-delete with our own owner value
         # is safe even if the SET never happened.
@@ -234,12 +237,16 @@ class WatchedSteps:
             await self._free_lock(owner)
         return None if committed is None else reply
 
-    def _reads(self, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
+    def _reads(self, step: Step, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
         """What a step reads under WATCH, the WATCH first: `_read_state` makes a `ReadState` of their replies."""
         keys = self._core.keys
-        # The queue is read only as far as a step can reach: its head, its
+        # The queue is read only as far as a step can reach: its head, as far
+        # as the limit in force as last heard (or as set by this step), its
         # earliest presumed deaths, and the step's own identifiers.
-        window = self._core.settings.limit + len(members) + _QUEUE_WINDOW
+        limits = [self._core.settings.limit or 0, self._core.last.limit or 0]
+        if step is Step.LIMIT:
+            limits += [int(member) for member in members if member]
+        window = max(limits) + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
             ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders),
@@ -274,6 +281,7 @@ class WatchedSteps:
             return {member: float(score) for member, score in pairs if score is not None}
 
         keys = self._core.keys
+        stored_limit, limit_set = decode_limit(replies[11])
         return ReadState(
             keys,
             now=now,
@@ -291,7 +299,8 @@ class WatchedSteps:
             queued=scores(replies[8]),
             alive_until=scores(replies[9]),
             cancelled=scores(replies[10]),
-            stored_limit=None if replies[11] is None else int(replies[11]),
+            stored_limit=stored_limit,
+            limit_set=limit_set,
             permit_ttls=(int(replies[12]), int(replies[13]), int(replies[14])),
             queue_ttls=(int(replies[15]), int(replies[16]), int(replies[17])),
             # A copy: the plan reads what the step's own waiters were given.

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from ._protocol import LIMIT_MISMATCH, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
 from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class ReadState:
         keys: The semaphore's keys.
         now: The time to decide at, in seconds.
         lease: The lease, in seconds.
-        limit: The caller's limit.
+        limit: The caller's limit (``None``: it takes the stored one).
         waiter_ttl: The caller's waiter timeout, in seconds.
         caller: The caller's process token: its waiters are granted a whole
             lease and need no message.
@@ -59,7 +59,9 @@ class ReadState:
         queued: The step's identifiers' scores in ``:queue``.
         alive_until: The step's identifiers' scores in ``:waiters``.
         cancelled: The step's identifiers' scores in ``:cancelled``.
-        stored_limit: ``:limit``, if set.
+        stored_limit: The limit ``:limit`` holds, if any.
+        limit_set: Whether that limit was set by a `Step.LIMIT` (``=n``),
+            rather than brought by a caller.
         permit_ttls: The TTLs of the timeout set, the owner set and ``:limit``.
         queue_ttls: The TTLs of ``:queue``, ``:waiters`` and ``:tickets``.
         tickets: The tickets drawn for the step's identifiers that may queue.
@@ -75,7 +77,7 @@ class ReadState:
     keys: SemaphoreKeys
     now: float
     lease: float
-    limit: int
+    limit: int | None
     waiter_ttl: float
     caller: str
     publish: str
@@ -97,6 +99,7 @@ class ReadState:
     earlier_receipt: bytes = b""
     record: str = ""
     records: Mapping[bytes, bytes] = field(default_factory=dict)
+    limit_set: bool = False
 
 
 def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
@@ -132,19 +135,17 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
         raise ValueError("a locked step never relays, so it never passes a permit on")
     draft = _Draft(state)
     operation = step.operation
-    if operation is Operation.ACQUIRE:
+    if step is Step.LIMIT:
+        # As fair_acquire's MODE_LIMIT: what is free under the new limit goes to the queue at once.
+        draft.hand_off()
+        values = [draft.set_limit(member) for member in members]
+        draft.hand_off()
+    elif operation is Operation.ACQUIRE:
         # As fair_acquire: the queue is served before any newcomer.
         draft.hand_off()
-        # Another limit counts only while somebody holds or waits under it.
-        draft.mismatch = bool(
-            members
-            and state.stored_limit is not None
-            and state.stored_limit != state.limit
-            and (draft.owners or draft.queue_size > 0)
-        )
+        if members:
+            draft.bring_limit()
         values = [draft.acquire(member, step) for member in members]
-        if members and not draft.mismatch and state.stored_limit != state.limit:
-            draft.writes.append(("SET", state.keys.limit, state.limit))
     elif operation is Operation.RELEASE:
         values = [draft.release(member, step) for member in members]
         if state.receipt is not None:
@@ -165,17 +166,21 @@ class _Draft:
         "alive",
         "cancelled",
         "counter",
+        "freed",
         "granted",
         "heads",
         "leases",
-        "mismatch",
+        "limit",
+        "limit_set",
         "owners",
         "queue_size",
         "queued",
         "refreshed_holders",
         "refreshed_waiters",
+        "refusal",
         "spared",
         "state",
+        "stored_limit",
         "waiters_written",
         "writes",
     )
@@ -184,7 +189,12 @@ class _Draft:
         self.state = state
         keys = state.keys
         self.counter = state.counter
-        self.mismatch = False
+        #: As the scripts' state: the limit stored, whether it was set, and the limit in force.
+        self.stored_limit = state.stored_limit
+        self.limit_set = state.limit_set and state.stored_limit is not None
+        self.limit = state.stored_limit if state.stored_limit is not None else state.limit
+        #: What every acquire of the step answers, unless it holds or waits already.
+        self.refusal: int | None = None
         self.waiters_written = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
@@ -207,6 +217,8 @@ class _Draft:
         dead = expired | strays
         self.leases = {member: score for member, score in state.leases.items() if member not in dead}
         self.owners = {member: int(score) for member, score in state.owners.items() if member not in dead}
+        #: As the scripts' state.freed: permits freed by the step, which go to the queue when no limit is known.
+        self.freed = len(state.owners) - len(self.owners)
         if dead:
             self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
         if expired:
@@ -253,7 +265,8 @@ class _Draft:
     def hand_off(self) -> None:
         """As the scripts' aiosem_hand_off: free permits to the queue's head, another process's for a waiter TTL."""
         state = self.state
-        free = max(0, state.limit - len(self.owners))
+        free = max(0, (self.freed if self.limit is None else self.limit - len(self.owners)))
+        self.freed = 0
         heads, self.heads = self.heads[:free], self.heads[free:]
         messages: dict[str, list[str]] = {}
         for member in heads:
@@ -271,6 +284,40 @@ class _Draft:
         for owner, grants in messages.items():
             self.writes.append((state.publish, state.keys.channels + owner, "".join(grants)))
 
+    def set_limit(self, member: bytes) -> int:
+        """As fair_acquire's set_limit: a limit in force from now on, or ``b''`` to clear a set one; the one before."""
+        before = self.limit or 0
+        keys = self.state.keys
+        if not member:
+            if self.limit_set:
+                self.writes.append(("DEL", keys.limit))
+                self.stored_limit, self.limit_set, self.limit = None, False, self.state.limit
+        else:
+            self.stored_limit = self.limit = int(member)
+            self.limit_set = True
+            self.writes.append(("SET", keys.limit, b"=" + member))
+        return before
+
+    def bring_limit(self) -> None:
+        """As fair_acquire: refuse the step's acquires, or put the caller's limit in force, and store it."""
+        state = self.state
+        if self.limit is None:
+            self.refusal = NO_LIMIT
+        elif (
+            state.limit is not None
+            and not self.limit_set
+            and self.stored_limit is not None
+            and self.stored_limit != state.limit
+            and (self.owners or self.queue_size > 0)
+        ):
+            # A limit brought by another caller counts only while somebody holds or waits under it.
+            self.refusal = LIMIT_MISMATCH
+        elif not self.limit_set and state.limit is not None:
+            self.limit = state.limit
+            if self.stored_limit != state.limit:
+                self.writes.append(("SET", state.keys.limit, state.limit))
+                self.stored_limit = state.limit
+
     def acquire(self, member: bytes, step: Step) -> int:  # noqa: PLR0911 -- one return per outcome, as in the script
         keys = self.state.keys
         if member in self.cancelled:
@@ -287,9 +334,10 @@ class _Draft:
             self.writes.append(("ZADD", keys.waiters, "XX", alive_until, member))
             self.waiters_written = True
             return QUEUED
-        if self.mismatch:
-            return LIMIT_MISMATCH
-        if self.queue_size == 0 and len(self.owners) < self.state.limit:
+        if self.refusal is not None:
+            return self.refusal
+        assert self.limit is not None  # noqa: S101 -- else refused: NO_LIMIT
+        if self.queue_size == 0 and len(self.owners) < self.limit:
             token = self.grant(member, now)
             self.enter(member)
             return token
@@ -310,6 +358,7 @@ class _Draft:
         keys = self.state.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
+            self.freed += 1
             self.writes += [
                 ("ZREM", keys.owner_set, member),
                 ("ZREM", keys.timeout_set, member),
@@ -372,7 +421,8 @@ class _Draft:
         if self.waiters_written:
             self.write_queue_ttls()
         if not self.owners and self.queue_size == 0:
-            self.writes.append(("DEL", keys.limit, keys.holders))
+            # As the scripts: a limit set outlives the idle semaphore.
+            self.writes.append(("DEL", keys.holders) if self.limit_set else ("DEL", keys.limit, keys.holders))
         else:
             # As the scripts' aiosem_persist_permits: no TTL on a key that
             # bears a live permit, lest volatile-* eviction take it. Only a
@@ -392,6 +442,7 @@ class _Draft:
             reply=Reply(
                 holders=len(self.owners),
                 waiting=self.queue_size,
+                limit=self.limit,
                 next_expiry=min(left) / 1_000_000 if left else None,
                 values=tuple(values),
                 granted=tuple(self.granted),

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LIMIT_MISMATCH",
+    "NO_LIMIT",
     "QUEUED",
     "REFUSED",
     "TOMBSTONED",
@@ -65,6 +66,10 @@ class Step(enum.Enum):
     PASS = (Operation.RELEASE, "pass")
     #: Restart the leases of holders, and prove waiters alive.
     REFRESH = (Operation.REFRESH, "")
+    #: Set the limit in force: each "identifier" is a limit, applied in
+    #: order ('' clears a set limit); each answers the limit in force before
+    #: it (0: none). Raising it hands the new permits to the queue at once.
+    LIMIT = (Operation.ACQUIRE, "limit")
 
     __hash__ = object.__hash__
 
@@ -92,8 +97,11 @@ QUEUED: Final = 0
 REFUSED: Final = -1
 #: Acquire: cancelled before it arrived; its tombstone, having served, is gone.
 TOMBSTONED: Final = -2
-#: Acquire: the semaphore is in use -- somebody holds or waits -- with another limit.
+#: Acquire: the semaphore is in use -- somebody holds or waits -- with another
+#: limit, which no `Step.LIMIT` set.
 LIMIT_MISMATCH: Final = -3
+#: Acquire: the caller gave no limit, and none is stored.
+NO_LIMIT: Final = -4
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +111,8 @@ class Reply:
     Attributes:
         holders: Permits held once the step was done.
         waiting: Waiters queued once the step was done.
+        limit: The limit in force once the step was done: the one stored
+            with the semaphore, else the caller's (``None``: neither).
         next_expiry: Seconds until the earliest live lease runs out, or
             ``None`` when nobody holds.
         values: One result per identifier of the step: a fencing token, or
@@ -117,6 +127,7 @@ class Reply:
 
     holders: int
     waiting: int
+    limit: int | None
     next_expiry: float | None
     values: tuple[int, ...]
     granted: tuple[tuple[str, int], ...] = ()
@@ -128,17 +139,23 @@ def parse_reply(raw: Sequence[Any], count: int, replicated: int | None = None) -
     """Read the reply every fair script returns (see ``lua/_prelude.lua``) for ``count`` identifiers."""
     next_expiry = int(raw[2])
     relayed = 2 * int(raw[3])
-    handed = raw[4 + count : len(raw) - relayed]
+    limit = int(raw[4])
+    handed = raw[_HEADER + count : len(raw) - relayed]
     run = raw[len(raw) - relayed :]
     return Reply(
         holders=int(raw[0]),
         waiting=int(raw[1]),
+        limit=limit or None,
         next_expiry=None if next_expiry < 0 else next_expiry / 1_000_000,
-        values=tuple(int(value) for value in raw[4 : 4 + count]),
+        values=tuple(int(value) for value in raw[_HEADER : _HEADER + count]),
         granted=_pairs(handed),
         replicated=replicated,
         relayed=_pairs(run),
     )
+
+
+#: How many values every script's reply starts with, before its results.
+_HEADER: Final = 5
 
 
 def _pairs(flat: Sequence[Any]) -> tuple[tuple[str, int], ...]:

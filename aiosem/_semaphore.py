@@ -29,12 +29,12 @@ from ._connection import (
 )
 from ._coordination import detached
 from ._core import Core, Settings
-from ._exceptions import AcquireTimeout, LimitMismatch
-from ._keys import SemaphoreKeys, check_prefix
-from ._observing import emit, emit_permit
+from ._exceptions import AcquireTimeout, LimitMismatch, LimitNotSet
+from ._keys import SemaphoreKeys, check_prefix, decode_limit
+from ._observing import emit, emit_permit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, DEFAULT_TIMEOUT, _Default
 from ._permit import Permit
-from ._protocol import LIMIT_MISMATCH, Reply, Step
+from ._protocol import LIMIT_MISMATCH, NO_LIMIT, Reply, Step
 from ._validation import (
     check_callable,
     check_client,
@@ -63,14 +63,15 @@ class SemaphoreStatistics:
 
     Attributes:
         name: The semaphore's name.
-        limit: How many permits may be held at once.
+        limit: The limit in force, as Redis last answered this object
+            (before its first step: the limit it was made with, if any).
         holders: Permits held, as Redis last answered this object.
         waiting: Waiters queued in all processes, as Redis last answered.
         local_waiters: Tasks of this process waiting through this object.
     """
 
     name: str
-    limit: int
+    limit: int | None
     holders: int
     waiting: int
     local_waiters: int
@@ -94,12 +95,17 @@ class _Semaphore:
     )
 
     def __init__(
-        self, client: Client, name: str, limit: int, options: SemaphoreOptions, backend: Callable[[Core], Backend]
+        self,
+        client: Client,
+        name: str,
+        limit: int | None,
+        options: SemaphoreOptions,
+        backend: Callable[[Core], Backend],
     ) -> None:
         # Each public class takes ``**options`` and refuses unknown ones in its own name.
         check_cluster_support(check_client(client))
         name = check_name(name)
-        limit = check_limit(limit)
+        limit = None if limit is None else check_limit(limit)
         timeout = check_timeout(options.get("timeout", DEFAULT_TIMEOUT))
         self._blocking_timeout = check_wait(options.get("blocking_timeout"))
         self._keys = SemaphoreKeys.for_name(check_prefix(options.get("prefix", DEFAULT_PREFIX)), name)
@@ -123,9 +129,15 @@ class _Semaphore:
         return self._settings.name
 
     @property
-    def limit(self) -> int:
-        """How many permits may be held at once."""
-        return self._settings.limit
+    def limit(self) -> int | None:
+        """How many permits may be held at once: the limit in force, as Redis last answered this object.
+
+        Before the object's first step, the limit it was made with
+        (``None``: it was made without one, to take the one in Redis). A
+        limit set with `set_limit` -- by any process -- is in force for
+        every object of the name, whatever it was made with.
+        """
+        return self._core.last.limit
 
     @property
     def timeout(self) -> float:
@@ -159,7 +171,7 @@ class _Semaphore:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(name={self._settings.name!r}, limit={self._settings.limit}, "
+            f"{type(self).__name__}(name={self._settings.name!r}, limit={self.limit}, "
             f"timeout={self._settings.timeout:g}, blocking_timeout={self._blocking_timeout!r}, "
             f"waiter_timeout={self._settings.waiter_ttl:g}, refresh_interval={self._settings.refresh_interval:g}, "
             f"held={len(self._core.holdings)}, waiting={len(self._core.queue)}, key={self.key!r})"
@@ -226,7 +238,10 @@ class _Semaphore:
                 ``on_lost`` is given without ``auto_refresh``.
             RuntimeError: The semaphore is in use by another event loop.
             LimitMismatch: The semaphore is in use -- somebody holds or
-                waits -- with another limit; nothing was taken.
+                waits -- with another limit, which no `set_limit` set;
+                nothing was taken.
+            LimitNotSet: The semaphore was made without a limit, and none
+                is in force in Redis; nothing was taken.
             SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
                 for a whole lease; or the queue forgot this waiter and would
                 not take it back.
@@ -268,8 +283,11 @@ class _Semaphore:
         identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait)
         if value == LIMIT_MISMATCH:
             # Neither granted nor queued: nothing to give up.
-            stored = await detached(self._client.get(self._keys.limit), name="aiosem limit")
-            raise LimitMismatch(name=self._settings.name, limit=self._settings.limit, stored_limit=int(stored or 0))
+            stored, _ = decode_limit(await detached(self._client.get(self._keys.limit), name="aiosem limit"))
+            assert self._settings.limit is not None  # noqa: S101 -- only a limit brought can mismatch
+            raise LimitMismatch(name=self._settings.name, limit=self._settings.limit, stored_limit=stored or 0)
+        if value == NO_LIMIT:
+            raise LimitNotSet(name=self._settings.name)
         if value <= 0:
             emit("timed_out", "semaphore", self._settings.name, time.monotonic() - started)
             return None
@@ -354,6 +372,55 @@ class _Semaphore:
             self._core.holdings.lose(permit.identifier, "a refresh found it gone")
         return held
 
+    async def set_limit(self, limit: int | None) -> int | None:
+        """Set the limit in force for this semaphore, in every process, at once; return the one in force before.
+
+        The limit is stored with the semaphore in one atomic step, and is in
+        force for every object of its name -- whatever limit each was made
+        with, and without `LimitMismatch` -- until it is set again or
+        cleared; it outlives the semaphore falling idle. Raising it hands
+        the new permits to the longest waiters in the same step, in queue
+        order, and wakes their processes. Lowering it takes no permit back:
+        no permit is granted until fewer than the new limit are held.
+        Setting the limit in force again changes nothing.
+
+        ``None`` clears a set limit: from then on, as on an idle semaphore,
+        the next acquire stores the limit its object brings, and objects
+        that bring another get `LimitMismatch` while the semaphore is in
+        use.
+
+        Args:
+            limit: The new limit (at least 1), or ``None`` to clear it.
+
+        Returns:
+            The limit in force before, or ``None`` if there was none.
+
+        Raises:
+            TypeError: ``limit`` is not an int or ``None``.
+            ValueError: ``limit`` is less than 1.
+            RuntimeError: The semaphore is in use by another event loop.
+            SemaphoreError: `AsyncLockedSemaphore` only: its lock stayed busy
+                for a whole lease.
+            OutOfMemory: Redis's memory is full, and it refused the step, which
+                wrote nothing (see the faults page).
+            redis.RedisError: Redis failed or could not be reached.
+
+        Cancellation:
+            Not shielded: a cancelled call may or may not have reached Redis.
+            Calling it again with the same limit is safe: setting a limit is
+            idempotent.
+        """
+        value = "" if limit is None else str(check_limit(limit))
+        (before,), _ = await self._core.submit(Step.LIMIT, (value,))
+        logger.info(
+            "the limit of semaphore %r is now %s (was %s)",
+            self._settings.name,
+            "cleared" if limit is None else limit,
+            before or "none",
+            extra=log_fields(self._settings.name),
+        )
+        return before or None
+
     async def aclose(self) -> None:
         """Give back every permit kept alive through this object, and stop its background work.
 
@@ -422,7 +489,7 @@ class _Semaphore:
         """Return a snapshot: counts as Redis last answered this object, and its local waiters."""
         return SemaphoreStatistics(
             name=self._settings.name,
-            limit=self._settings.limit,
+            limit=self._core.last.limit,
             holders=self._core.last.holders,
             waiting=self._core.last.waiting,
             local_waiters=len(self._core.queue),

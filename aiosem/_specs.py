@@ -99,7 +99,8 @@ class SemaphoreSpec(Spec[Semaphore]):
         return on_lost
 
     def resolve(self, name: str, current: Settings) -> tuple[Hashable, Factory[Semaphore]]:
-        limit = LIMITS.resolve(name, self.limit, current.limits)
+        # None anywhere: the semaphore takes the limit in force in Redis.
+        limit = LIMITS.find(name, self.limit, current.limits)
         kind = current.kind if self.kind is None else self.kind
         timeout = current.timeout if self.timeout is None else self.timeout
         options = dict(self.upkeep)

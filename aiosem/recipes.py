@@ -148,8 +148,7 @@ async def acquire_fair_semaphore(
         waiter_ttl=_WAITER_TIMEOUT,
     )
     if reply.values[0] == LIMIT_MISMATCH:
-        stored = await conn.get(SemaphoreKeys(semname).limit)
-        raise LimitMismatch(name=semname, limit=limit, stored_limit=int(stored or 0))
+        raise LimitMismatch(name=semname, limit=limit, stored_limit=reply.limit or 0)
     return identifier if reply.values[0] > 0 else None
 
 

@@ -4,7 +4,7 @@
 -- The constants named in capitals below and in the scripts -- the server's
 -- rules (TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, COUNTER_TTL_MS,
 -- EXPIRE_MARGIN_MS, EXPIRE_SLACK_MS, RUN_LENGTH), the result codes (QUEUED,
--- REFUSED, TOMBSTONED, LIMIT_MISMATCH) and the modes (MODE_WAIT,
+-- REFUSED, TOMBSTONED, LIMIT_MISMATCH, NO_LIMIT) and the modes (MODE_WAIT,
 -- MODE_CANCEL, MODE_PASS, ...) -- are not defined here: aiosem/_scripts.py
 -- writes them as locals above this prelude, from aiosem/_rules.py and
 -- aiosem/_protocol.py, where the Lua-free step reads them too.
@@ -22,7 +22,9 @@ local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
 local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
 local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
-local LIMIT = KEYS[8]      -- the limit in use, while anybody holds or waits
+local LIMIT = KEYS[8]      -- the limit in force: 'n' as a caller brought it,
+                           -- while anybody holds or waits; '=n' as set by
+                           -- a limit step, until cleared (see aiosem_stored_limit)
 local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter), while
                            -- it holds or waits
 local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
@@ -31,7 +33,7 @@ local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
 -- and the same arguments:
 -- ARGV[1] now in seconds, or '' for the server's clock
 -- ARGV[2] lease in seconds
--- ARGV[3] limit, or '' when the caller does not know it
+-- ARGV[3] the caller's limit, or '' when it has none: it takes the stored one
 -- ARGV[4] waiter TTL in seconds
 -- ARGV[5] the caller's process token ('' for none); waiter identifiers are
 --         '<process token>.<random>'
@@ -49,9 +51,10 @@ local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
 -- ARGV[13..] identifiers
 --
 -- and every script returns {holders, waiting, next_expiry_us, relayed,
--- result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1, token_1,
--- ...}: next_expiry_us is how long until the earliest lease runs out (-1:
--- nobody holds), the results are one per identifier, the granted pairs are
+-- limit, result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1,
+-- token_1, ...}: next_expiry_us is how long until the earliest lease runs
+-- out (-1: nobody holds), limit the limit in force (0: none), the results
+-- are one per identifier, the granted pairs are
 -- the waiters this call handed a permit, and the last `relayed` pairs are
 -- the run of the caller's waiters that permit is relayed to (see
 -- aiosem_relay_run).
@@ -371,23 +374,41 @@ local function aiosem_header(state, relayed)
       next_expiry = left
     end
   end
-  return {state.holders, state.queued, next_expiry, #relayed / 2}
+  return {state.holders, state.queued, next_expiry, #relayed / 2, state.limit or 0}
+end
+
+-- The stored limit, and whether a limit step set it ('=n'). A limit a caller
+-- brought ('n') is the one every caller must bring while the semaphore is
+-- in use, and goes once it is idle; a limit set is in force for every
+-- caller, whatever it brings, until a limit step clears it.
+local function aiosem_stored_limit()
+  local stored = redis.call('GET', LIMIT)
+  if not stored then
+    return nil, false
+  end
+  if string.sub(stored, 1, 1) == '=' then
+    return tonumber(string.sub(stored, 2)), true
+  end
+  return tonumber(stored), false
 end
 
 -- The part every script shares: read the arguments, reap, let `operation`
 -- act on the identifiers, hand off what is free, and answer.
 -- `operation(identifiers, state)` returns one result per identifier; `state`
--- carries now, lease, limit, waiter_ttl, mode, call, receipt_seconds, relays, record,
+-- carries now, lease, limit (the limit in force: the stored one, else the
+-- caller's, else nil), caller_limit, stored (the stored limit) and set (whether
+-- a limit step set it), waiter_ttl, mode, call, receipt_seconds, relays, record,
 -- `forgotten` (see aiosem_forget), `spared` (see aiosem_reap), `freed` (permits given up
 -- by the operation, which matter when the limit is unknown), the counts
--- `holders` and `queued`, which every write keeps up to date, and
+-- `holders` and `queued`, which every write keeps up to date,
 -- `waiters_written`, which an operation sets when it queues a waiter or
--- proves one alive.
+-- proves one alive, and `limit_changed`, which it sets when it changes the
+-- limit in force: what is free then goes to the queue after it, too.
 local function aiosem_run(operation, hand_off_first)
   local state = {
     now = aiosem_now(ARGV[1]),
     lease = tonumber(ARGV[2]),
-    limit = tonumber(ARGV[3]),
+    caller_limit = tonumber(ARGV[3]),
     waiter_ttl = tonumber(ARGV[4]),
     caller = ARGV[5],
     channels = ARGV[6],
@@ -399,7 +420,10 @@ local function aiosem_run(operation, hand_off_first)
     record = ARGV[12],
     forgotten = {},
     waiters_written = false,
+    limit_changed = false,
   }
+  state.stored, state.set = aiosem_stored_limit()
+  state.limit = state.stored or state.caller_limit
   -- Checked before anything is written: a script refused half-way would leave
   -- its writes behind.
   if state.publish ~= 'PUBLISH' and state.publish ~= 'SPUBLISH' then
@@ -430,16 +454,20 @@ local function aiosem_run(operation, hand_off_first)
     identifiers[#identifiers + 1] = ARGV[i]
   end
   local results = operation(identifiers, state)
-  if not hand_off_first then
+  if not hand_off_first or state.limit_changed then
     hand_off()
   end
   if state.waiters_written then
     aiosem_expire(state.waiter_ttl)
   end
   if state.holders == 0 and state.queued == 0 then
-    -- Idle: whoever comes next may bring another limit; and no record is
-    -- of anybody who holds or waits.
-    redis.call('DEL', LIMIT, HOLDERS)
+    -- Idle: whoever comes next may bring another limit, unless one was set;
+    -- and no record is of anybody who holds or waits.
+    if state.set then
+      redis.call('DEL', HOLDERS)
+    else
+      redis.call('DEL', LIMIT, HOLDERS)
+    end
   else
     aiosem_forget_now(state)
     aiosem_persist_permits()

@@ -3,22 +3,30 @@
 -- KEYS: the ten of every fair script (see the prelude): TIMEOUTS, OWNERS,
 -- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, RECEIPT
 -- (unused here).
--- ARGV: the prelude's; ARGV[3] (the limit) is required, ARGV[8] is the mode,
--- ARGV[12] the record of the identifiers it queues or grants, ARGV[13..] the
--- identifiers.
+-- ARGV: the prelude's; ARGV[3] is the caller's limit ('': the stored one),
+-- ARGV[8] the mode, ARGV[12] the record of the identifiers it queues or
+-- grants, ARGV[13..] the identifiers.
 -- MODE_TRY: grant if a permit is free and nobody is queued, else refuse.
 -- MODE_WAIT: grant as MODE_TRY does, else join the queue.
 -- MODE_COUNT (no identifiers): only reap and hand off, for the header.
+-- MODE_LIMIT: the "identifiers" are limits, set in order: each is in force
+-- for every caller from then on, whatever limit it brings, until one that
+-- is '' clears it (the next caller's limit is stored then, as on an idle
+-- semaphore). Raising the limit hands the new permits to the queue in the
+-- same step; lowering it takes nothing back, and no permit is granted
+-- until fewer than the new limit are held. Each result is the limit in
+-- force before it (0: none).
 -- Returns the prelude's reply; the results, per identifier: the fencing
 -- token if granted; QUEUED if queued; REFUSED if refused; TOMBSTONED if the
 -- identifier was cancelled before this call arrived (its tombstone, having
 -- served, is removed); LIMIT_MISMATCH if the semaphore is in use with
--- another limit (see LIMIT): nothing is granted or queued then.
+-- another limit, which the caller brought (see LIMIT); NO_LIMIT if the
+-- caller brought none and none is stored: nothing is granted or queued then.
 -- Queued waiters are served first, so a newcomer never jumps the queue. An
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
 -- takes a second permit or a second place.
-local function acquire(identifier, state, mismatch)
+local function acquire(identifier, state, refusal)
   if redis.call('ZREM', CANCELLED, identifier) == 1 then
     return TOMBSTONED
   end
@@ -33,8 +41,8 @@ local function acquire(identifier, state, mismatch)
     state.waiters_written = true
     return QUEUED
   end
-  if mismatch then
-    return LIMIT_MISMATCH
+  if refusal then
+    return refusal
   end
   if state.queued == 0 and state.holders < state.limit then
     token = aiosem_next_token(state.now)
@@ -55,19 +63,51 @@ local function acquire(identifier, state, mismatch)
   return QUEUED
 end
 
+local function set_limit(value, state)
+  local before = state.limit or 0
+  if value == '' then
+    if state.set then
+      redis.call('DEL', LIMIT)
+      state.stored, state.set, state.limit = nil, false, state.caller_limit
+    end
+  else
+    state.stored, state.set, state.limit = tonumber(value), true, tonumber(value)
+    redis.call('SET', LIMIT, '=' .. value)
+  end
+  state.limit_changed = true
+  return before
+end
+
 return aiosem_run(function(identifiers, state)
   local results = {}
   if #identifiers == 0 then
     return results
   end
-  -- Another limit counts only while somebody holds or waits under it.
-  local stored = redis.call('GET', LIMIT)
-  local mismatch = stored and tonumber(stored) ~= state.limit and (state.holders > 0 or state.queued > 0)
-  for i, identifier in ipairs(identifiers) do
-    results[i] = acquire(identifier, state, mismatch)
+  if state.mode == MODE_LIMIT then
+    for i, value in ipairs(identifiers) do
+      results[i] = set_limit(value, state)
+    end
+    return results
   end
-  if not mismatch and stored ~= tostring(state.limit) then
-    redis.call('SET', LIMIT, state.limit)
+  -- A limit brought by another caller counts only while somebody holds or
+  -- waits under it; a limit set counts for everybody.
+  local refusal
+  if not state.limit then
+    refusal = NO_LIMIT
+  elseif state.caller_limit and not state.set and state.stored and state.stored ~= state.caller_limit
+      and (state.holders > 0 or state.queued > 0) then
+    refusal = LIMIT_MISMATCH
+  end
+  if not refusal and not state.set and state.caller_limit then
+    -- The caller's limit is in force: the stored one, or none yet.
+    state.limit = state.caller_limit
+    if state.stored ~= state.caller_limit then
+      redis.call('SET', LIMIT, state.caller_limit)
+      state.stored = state.caller_limit
+    end
+  end
+  for i, identifier in ipairs(identifiers) do
+    results[i] = acquire(identifier, state, refusal)
   end
   return results
 end, true)

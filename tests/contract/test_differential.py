@@ -2,7 +2,7 @@
 
 Hypothesis draws a semaphore's whole state in Redis -- holders live, expired
 or in one permit set only, waiters queued, presumed dead or half-evicted,
-tombstones, receipts, a stored limit, TTLs on every key -- and writes it
+tombstones, receipts, a limit stored or set, TTLs on every key -- and writes it
 twice into one real ``redis-server``, under two prefixes. It then runs the
 same steps on both copies, on one fake clock: the scripts through
 `fair_step` (without the relay, which the locked class never does), and
@@ -43,7 +43,7 @@ from aiosem import AsyncLockedSemaphore
 from aiosem._fair import fair_step
 from aiosem._keys import SemaphoreKeys
 from aiosem._plan import own_lease
-from aiosem._protocol import LIMIT_MISMATCH, QUEUED, TOMBSTONED, Operation, Reply, Step
+from aiosem._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, TOMBSTONED, Operation, Reply, Step
 from aiosem._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, queue_ttl_ms
 from tests.harness.support import FakeClock
 
@@ -79,7 +79,8 @@ def pool(caller: str) -> list[str]:
 class Seed:
     """A semaphore's state, as offsets from the clock and indices into the identifier pool."""
 
-    limit: int
+    #: The callers' limit; None: they take the one in force.
+    limit: int | None
     lease: float
     waiter_ttl: float
     #: index -> (offset of the lease's stamp from now, token, in the timeout set, in the owner set)
@@ -89,7 +90,8 @@ class Seed:
     #: index -> offset of the tombstone's end from now
     tombstones: dict[int, float]
     counter: int | None
-    stored_limit: int | None
+    #: What :limit holds: a limit brought ('3'), or set ('=3').
+    stored_limit: str | None
     #: Which of the timeout set, the owner set and :limit carry a TTL (an older aiosem's day).
     permit_ttls: tuple[bool, bool, bool]
     #: Of :queue, :waiters and :tickets: None (no TTL), or how far from the slack's edge, in ms.
@@ -109,7 +111,7 @@ class Op:
 
 @st.composite
 def seeds(draw: st.DrawFn) -> Seed:
-    limit = draw(st.integers(1, 3))
+    limit = draw(st.none() | st.integers(1, 3) | st.integers(1, 3))
     lease = draw(st.sampled_from([2.5, 5.0, 10.0]))
     waiter_ttl = min(lease, draw(st.sampled_from([1.0, 2.0, 3.0])))
     # A lease's stamp: live, expired, or exactly on the reaper's edge (dead) or a microsecond inside it.
@@ -130,7 +132,10 @@ def seeds(draw: st.DrawFn) -> Seed:
     edge = st.sampled_from([0.0, 1e-6, 2e-6, 3e-6, 4e-6])
     tombstones = draw(st.dictionaries(st.integers(0, 7), st.one_of(st.floats(-5.0, 60.0), edge), max_size=3))
     counter = draw(st.none() | tokens)
-    stored_limit = draw(st.sampled_from([None, limit, limit, limit + 1, 5]))
+    brought = 1 if limit is None else limit
+    stored_limit = draw(
+        st.sampled_from([None, str(brought), str(brought), str(brought + 1), "5", f"={brought}", "=1", "=4"])
+    )
     permit_ttls = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
     # Away from the slack's edge by 400 ms or more: far further than an example takes.
     ttl = st.sampled_from([None, -400, -1000, 400, 3000])
@@ -158,11 +163,18 @@ def seeds(draw: st.DrawFn) -> Seed:
 
 @st.composite
 def ops(draw: st.DrawFn) -> Op:
-    step = draw(st.sampled_from([Step.TRY, Step.WAIT, Step.WAIT, Step.COUNT, Step.RELEASE, Step.CANCEL, Step.REFRESH]))
+    step = draw(
+        st.sampled_from(
+            [Step.TRY, Step.WAIT, Step.WAIT, Step.COUNT, Step.RELEASE, Step.CANCEL, Step.REFRESH, Step.LIMIT]
+        )
+    )
     # Every acquire has an identifier of its own, so an acquiring batch never names one twice; a
     # release or a refresh may (two tasks releasing one permit at once, a claim beside a heartbeat).
     unique = step.operation is Operation.ACQUIRE
     chosen = st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=unique)
+    if step is Step.LIMIT:
+        # Limits, not identifiers: 0 clears a set limit.
+        chosen = st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=1, max_size=2)
     members = () if step is Step.COUNT else tuple(draw(chosen))
     call = draw(st.sampled_from(CALLS)) if step in (Step.RELEASE, Step.CANCEL) else ""
     advance = draw(st.sampled_from([0.0, 0.0, 1e-6, 1e-6, 0.3, 1.0, 2.5, 10.0]))
@@ -307,6 +319,11 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
         yield "a permit past the caller's lease spared: its own is longer"
     if any(score <= now for score in waiters.values()):
         yield "a waiter presumed dead reaped"
+    if op.step is Step.LIMIT:
+        yield "a limit " + ("cleared" if 0 in op.members else "set")
+        if reply.granted:
+            yield "a hand-off"
+        return
     for member in (identifier.encode() for identifier in identifiers):
         if op.step is Step.CANCEL:
             yield "a cancel of " + ("a holder" if member in leases else "a waiter" if member in queue else "the unseen")
@@ -319,6 +336,8 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
             yield "a late acquire met its tombstone"
         elif value == LIMIT_MISMATCH:
             yield "a limit mismatch"
+        elif value == NO_LIMIT:
+            yield "no limit brought, none in force"
         elif value == QUEUED:
             yield "queued, or proven alive"
     if reply.granted:
@@ -380,7 +399,10 @@ async def run_side_by_side(server: RedisServer, seed: Seed, steps: list[Op]) -> 
         handed: set[str] = set()
         for op in steps:
             clock.advance(op.advance)
-            identifiers = [ids[index] for index in op.members]
+            if op.step is Step.LIMIT:
+                identifiers = [str(value) if value else "" for value in op.members]
+            else:
+                identifiers = [ids[index] for index in op.members]
             note(f"at +{clock.now - START:.6f}: {op.step.name} {identifiers} call={op.call!r}")
             started = time.monotonic()
             by_script = await fair_step(
