@@ -35,7 +35,7 @@ from ._observing import log_fields
 from ._options import LimiterOptions, RateByNameOptions, refuse_unknown
 from ._specs import RateSpec, SemaphoreSpec, rate_spec, semaphore_spec
 from ._task_stack import TaskStack
-from ._validation import check_cost, check_name
+from ._validation import check_cost, check_name, check_weight
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
@@ -67,19 +67,21 @@ _entered: TaskStack[_Limiter, tuple[Entry[Semaphore], Permit]] = TaskStack("aios
 class _Limiter:
     """The async context manager `limiter` returns; reusable, and shareable between tasks."""
 
-    __slots__ = ("_name", "_options")
+    __slots__ = ("_name", "_options", "_weight")
 
-    def __init__(self, name: str, options: SemaphoreSpec) -> None:
+    def __init__(self, name: str, options: SemaphoreSpec, weight: int = 1) -> None:
         self._name = name
         self._options = options
+        self._weight = weight
 
     def __repr__(self) -> str:
-        return f"limiter({self._name!r}, limit={self._options.limit!r})"
+        weight = "" if self._weight == 1 else f", weight={self._weight}"
+        return f"limiter({self._name!r}, limit={self._options.limit!r}{weight})"
 
     async def __aenter__(self) -> Permit:
         entry = await checkout(self._name, self._options)
         try:
-            permit = await entry.cached.__aenter__()
+            permit = await entry.cached._enter(self._weight)  # noqa: SLF001 -- the semaphore's own async with, weighed
         except BaseException:
             entry.state.checkin(entry)
             raise
@@ -131,7 +133,7 @@ def current_permit(name: str | None = None) -> Permit:
 
 
 def limiter(
-    name: str, limit: int | None = None, **options: Unpack[LimiterOptions]
+    name: str, limit: int | None = None, *, weight: int = 1, **options: Unpack[LimiterOptions]
 ) -> AbstractAsyncContextManager[Permit]:
     """Limit a block of code by a semaphore's name.
 
@@ -162,6 +164,9 @@ def limiter(
         name: The semaphore's name.
         limit: How many permits may be held at once; ``None``: configured,
             declared by a decorator, or else the one in force in Redis.
+        weight: What the block's permit counts for against the limit: an
+            int from 1 (the default) to the limit in force (see
+            `AsyncFairSemaphore.acquire`).
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
             ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``,
@@ -188,7 +193,7 @@ def limiter(
         cancellation and bounded to 5 s.
     """
     refuse_unknown(options, LimiterOptions, "limiter")
-    return _Limiter(check_name(name), semaphore_spec(limit, options))
+    return _Limiter(check_name(name), semaphore_spec(limit, options), check_weight(weight))
 
 
 class _Loss:
@@ -219,11 +224,12 @@ class _GeneratorHold:
     and nobody may be cancelled for a loss between two of them.
     """
 
-    __slots__ = ("_entry", "_loss", "_name", "_options", "_permit")
+    __slots__ = ("_entry", "_loss", "_name", "_options", "_permit", "_weight")
 
-    def __init__(self, name: str, options: SemaphoreSpec) -> None:
+    def __init__(self, name: str, options: SemaphoreSpec, weight: int) -> None:
         self._name = name
         self._options = options
+        self._weight = weight
         self._loss = _Loss(options.on_lost)
         self._entry: Entry[Semaphore] | None = None
         self._permit: Permit | None = None
@@ -232,7 +238,7 @@ class _GeneratorHold:
         self._entry = entry = await checkout(self._name, self._options)
         semaphore = entry.cached
         try:
-            self._permit = await semaphore.acquire(auto_refresh=True, on_lost=self._loss)
+            self._permit = await semaphore.acquire(weight=self._weight, auto_refresh=True, on_lost=self._loss)
         except BaseException:
             entry.state.checkin(entry)
             raise
@@ -404,27 +410,42 @@ class _Decorator:
 class _ConcurrencyLimit(_Decorator):
     """The decorator `limit_concurrency` returns: a call holds a permit while it runs."""
 
-    __slots__ = ("_options",)
+    __slots__ = ("_options", "_weight")
     _decorator = "limit_concurrency"
 
-    def __init__(self, name: str | Callable[..., str], options: SemaphoreSpec) -> None:
+    def __init__(
+        self, name: str | Callable[..., str], options: SemaphoreSpec, weight: int | Callable[..., int]
+    ) -> None:
         super().__init__(name)
         self._options = options
+        self._weight = weight
 
     def __repr__(self) -> str:
-        return f"limit_concurrency({self._name!r}, limit={self._options.limit!r})"
+        weight = "" if self._weight == 1 else f", weight={self._weight!r}"
+        return f"limit_concurrency({self._name!r}, limit={self._options.limit!r}{weight})"
+
+    def _weight_of(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """What one call's permit weighs: the fixed weight, or what the weight function says of its arguments."""
+        if isinstance(self._weight, int):
+            return self._weight
+        try:
+            return check_weight(self._weight(*args, **kwargs))
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"the weight function of @limit_concurrency on {function.__qualname__}: {error}"
+            ) from None
 
     def _guard(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> AbstractAsyncContextManager[object]:
         # The semaphore's own ``async with``: the permit is kept alive, the
         # call cancelled if it is lost.
-        return _Limiter(self._key(function, args, kwargs), self._options)
+        return _Limiter(self._key(function, args, kwargs), self._options, self._weight_of(function, args, kwargs))
 
     def _generator_guard(
         self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> AbstractAsyncContextManager[_Loss | None]:
-        return _GeneratorHold(self._key(function, args, kwargs), self._options)
+        return _GeneratorHold(self._key(function, args, kwargs), self._options, self._weight_of(function, args, kwargs))
 
 
 class _RateLimit(_Decorator):
@@ -465,7 +486,11 @@ class _RateLimit(_Decorator):
 
 
 def limit_concurrency(
-    name: str | Callable[..., str], limit: int | None = None, **options: Unpack[LimiterOptions]
+    name: str | Callable[..., str],
+    limit: int | None = None,
+    *,
+    weight: int | Callable[..., int] = 1,
+    **options: Unpack[LimiterOptions],
 ) -> _ConcurrencyLimit:
     """Limit how many calls of an async function run at once, across every process.
 
@@ -482,6 +507,18 @@ def limit_concurrency(
 
         @aiosem.limit_concurrency(lambda url: f"host:{urlsplit(url).hostname}", 3)
         async def fetch(url: str) -> bytes: ...  # 3 at once per host
+
+    A call may weigh more than one: ``weight`` is a fixed int, or a function
+    of the call's arguments returning one, and the call's permit counts
+    that much against the limit (see `AsyncFairSemaphore.acquire`):
+
+        @aiosem.limit_concurrency("db", 10, weight=lambda sql, report=False: 5 if report else 1)
+        async def query(sql: str, report: bool = False) -> list[Row]: ...
+
+    A weight function's result is checked at each call: a call whose
+    weight is not an int from 1 up raises `TypeError` or `ValueError`
+    before anything is sent; one above the limit in force raises
+    `ValueError` at once, having taken nothing.
 
     Each event loop keeps the semaphore objects it created: those in use,
     and the 1024 idle ones used most recently; so a crawler meeting a
@@ -518,6 +555,9 @@ def limit_concurrency(
         limit: How many calls may hold a permit at once; ``None``: the
             one ``configure(limits=...)`` gives for the name, or else the
             one in force in Redis.
+        weight: What a call's permit counts for against the limit: an int
+            from 1 (the default) to the limit in force, or a function of
+            the call's arguments returning one.
         **options: The semaphore's options (`LimiterOptions`):
             ``timeout``, ``blocking_timeout``, ``client``, ``prefix``,
             ``kind``, ``waiter_timeout``, ``refresh_interval``, ``on_lost``
@@ -544,11 +584,15 @@ def limit_concurrency(
         raise TypeError(f"name must be a str or a function returning one, not {type(name).__name__}")
     refuse_unknown(options, LimiterOptions, "limit_concurrency")
     checked = semaphore_spec(limit, options)
+    if not (isinstance(weight, int) or callable(weight)):
+        raise TypeError(f"weight must be an int or a function returning one, not {type(weight).__name__}")
+    if not callable(weight):
+        weight = check_weight(weight)
     if isinstance(name, str):
         check_name(name)
         if checked.limit is not None:
             LIMITS.declare(name, checked.limit)
-    return _ConcurrencyLimit(name, checked)
+    return _ConcurrencyLimit(name, checked, weight)
 
 
 def limit_rate(

@@ -21,6 +21,7 @@ base key as its ``semname``:
 ``prefix:{name}:tickets``         the last ticket handed to a waiter
 ``prefix:{name}:limit``           the limit in force: ``n`` brought, while in use; ``=n`` set, until cleared
 ``prefix:{name}:holders``         records: identifier -> [lease (ms), pid, host, label]
+``prefix:{name}:weights``         holders weighing more than 1: identifier -> weight
 ``prefix:{name}:receipt:<id>``    what release call <id> released, while it may be retried
 ``prefix:{name}:wake:<token>``    the channel of one process's waiters
 ``lock:prefix:{name}``            the short lock of `AsyncLockedSemaphore`
@@ -38,8 +39,9 @@ reap a permit no earlier than its own lease. A book client writes none.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from ._validation import check_name
 
@@ -90,6 +92,20 @@ def decode_limit(raw: bytes | str | None) -> tuple[int | None, bool]:
     if not digits.isdigit():
         return None, False
     return int(digits), set_
+
+
+def weighted(identifier: str, weight: int) -> str:
+    """The identifier of a permit of ``weight``: the scripts read a weight above 1 from its ``*k`` end."""
+    return identifier if weight == 1 else f"{identifier}*{weight}"
+
+
+def weight_of(identifier: str | bytes) -> int:
+    """What a permit weighs, as the scripts' aiosem_weight reads it from its identifier."""
+    match = _WEIGHT.search(identifier if isinstance(identifier, str) else identifier.decode(errors="replace"))
+    return 1 if match is None else max(1, int(match[1]))
+
+
+_WEIGHT: Final = re.compile(r"\*([0-9]+)\Z")
 
 
 def _ceil_ms(seconds: float) -> int:
@@ -151,6 +167,11 @@ class SemaphoreKeys:
         return f"{self.base}:holders"
 
     @property
+    def weights(self) -> str:
+        """The holders of permits weighing more than 1, each with its weight (see `weight_of`)."""
+        return f"{self.base}:weights"
+
+    @property
     def limit(self) -> str:
         """The limit in force: brought by a caller, while anybody holds or waits; or set, until cleared."""
         return f"{self.base}:limit"
@@ -170,7 +191,7 @@ class SemaphoreKeys:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str]:
+    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str, str]:
         """The keys every fair script takes, in order (and a release its receipt after them)."""
         return (
             self.timeout_set,
@@ -182,4 +203,5 @@ class SemaphoreKeys:
             self.tickets,
             self.limit,
             self.holders,
+            self.weights,
         )

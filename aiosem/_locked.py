@@ -218,7 +218,7 @@ class WatchedSteps:
                 if replies is None:
                     locked = False
                     return None
-                now = _parse_time(replies[19]) if now is None else now
+                now = _parse_time(replies[20]) if now is None else now
                 state = self._read_state(connection, replies, now, members, call)
                 if past := past_cutoff(state.leases, now, state.lease):
                     # Only when a permit is past this object's lease: its own may be longer.
@@ -249,7 +249,7 @@ class WatchedSteps:
         window = max(limits) + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
-            ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders),
+            ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders, keys.weights),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
@@ -267,6 +267,7 @@ class WatchedSteps:
         # What an earlier try of this call released, if its reply was lost:
         # only this call writes its receipt.
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
+        reads.append(("ZRANGE", keys.weights, 0, -1))
         if server_time:
             reads.append(("TIME",))
         return reads
@@ -309,6 +310,7 @@ class WatchedSteps:
             receipt_seconds=step_bound(self._core.settings.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
             record=self._core.settings.record(),
+            weights=frozenset(connection.encode(member) for member in replies[19]),
         )
 
     async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:

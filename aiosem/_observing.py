@@ -54,7 +54,8 @@ class LimiterEvent:
             whose grant this process did not see).
         time: When it happened, as `time.time` (the end of ``duration``).
         cost: How many slots a rate limiter's call asked for (its
-            ``cost``, 1 unless given); 1 for a semaphore.
+            ``cost``, 1 unless given); for a semaphore, what its permit
+            weighs (its ``weight``, 1 unless given).
     """
 
     kind: EventKind
@@ -154,6 +155,7 @@ def emit_permit(kind: EventKind, permit: Permit) -> None:
         time.monotonic() - permit.acquired_at,
         identifier=permit.identifier,
         fencing_token=permit.fencing_token,
+        cost=permit.weight,
     )
 
 

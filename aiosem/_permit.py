@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ._keys import weight_of
+
 __all__ = ["Permit"]
 
 
@@ -41,3 +43,8 @@ class Permit:
     fencing_token: int
     key: str
     acquired_at: float = field(default=math.nan, compare=False, repr=False)
+
+    @property
+    def weight(self) -> int:
+        """What the permit counts for against the limit: the ``weight`` it was acquired with (1 unless given)."""
+        return weight_of(self.identifier)

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, Operation, Reply, Step
+from ._keys import weight_of
+from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, TOO_HEAVY, Operation, Reply, Step
 from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class ReadState:
             queues or grants a permit to straight away ('': none).
         records: The records, in ``:holders``, of the leases `past_cutoff`
             finds: the reaper spares those whose own lease is longer.
+        weights: The members of ``:weights``: the holders weighing more than 1.
     """
 
     keys: SemaphoreKeys
@@ -100,6 +102,7 @@ class ReadState:
     record: str = ""
     records: Mapping[bytes, bytes] = field(default_factory=dict)
     limit_set: bool = False
+    weights: frozenset[bytes] = frozenset()
 
 
 def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
@@ -169,6 +172,7 @@ class _Draft:
         "freed",
         "granted",
         "heads",
+        "held",
         "leases",
         "limit",
         "limit_set",
@@ -182,6 +186,7 @@ class _Draft:
         "state",
         "stored_limit",
         "waiters_written",
+        "weighted",
         "writes",
     )
 
@@ -217,10 +222,18 @@ class _Draft:
         dead = expired | strays
         self.leases = {member: score for member, score in state.leases.items() if member not in dead}
         self.owners = {member: int(score) for member, score in state.owners.items() if member not in dead}
-        #: As the scripts' state.freed: permits freed by the step, which go to the queue when no limit is known.
-        self.freed = len(state.owners) - len(self.owners)
+        #: As the scripts' aiosem_extra_weight: the holders listed in :weights, those that hold no more dropped.
+        self.weighted = set(state.weights)
+        extra = self._extra_weight(state.owners)
+        weighed = len(state.owners) + extra
         if dead:
             self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
+            if extra > 0:
+                extra = self._extra_weight(self.owners)
+        #: As the scripts' state.holders: the weight held.
+        self.held = len(self.owners) + extra
+        #: As the scripts' state.freed: the weight freed by the step, which goes to the queue when no limit is known.
+        self.freed = weighed - self.held
         if expired:
             self.writes.append(("HDEL", keys.holders, *expired))
         deaths = (*state.earliest_deaths.items(), *state.alive_until.items())
@@ -238,7 +251,16 @@ class _Draft:
         self.alive = {member for member, until in state.alive_until.items() if until > now}
         self.cancelled = {member for member, until in state.cancelled.items() if until > now}
 
+    def _extra_weight(self, owners: Mapping[bytes, float]) -> int:
+        """As the scripts' aiosem_extra_weight, on ``owners``."""
+        gone = {member for member in self.weighted if member not in owners}
+        if gone:
+            self.weighted -= gone
+            self.writes.append(("ZREM", self.state.keys.weights, *gone))
+        return sum(weight_of(member) - 1 for member in self.weighted)
+
     def grant(self, member: bytes, stamp: float) -> int:
+        """As the scripts' aiosem_hold, with the next token."""
         state = self.state
         # As the scripts' aiosem_next_token: never below the clock in microseconds.
         self.counter = max(self.counter + 1, math.floor(state.now * 1_000_000))
@@ -249,6 +271,11 @@ class _Draft:
             ("ZADD", state.keys.owner_set, self.counter, member),
             ("ZADD", state.keys.timeout_set, score, member),
         ]
+        weight = weight_of(member)
+        if weight > 1:
+            self.weighted.add(member)
+            self.writes.append(("ZADD", state.keys.weights, weight, member))
+        self.held += weight
         return self.counter
 
     def enter(self, member: bytes) -> None:
@@ -262,12 +289,34 @@ class _Draft:
         self.alive.difference_update(members)
         self.writes += [("ZREM", self.state.keys.queue, *members), ("ZREM", self.state.keys.waiters, *members)]
 
+    def fitting_heads(self, free: int) -> list[bytes]:
+        """As the scripts' aiosem_heads: the waiters ``free`` weight goes to, in queue order.
+
+        Only as far as the queue was read: past it, a head passed over for
+        being heavier than the limit would be followed by waiters not read.
+        """
+        heads: list[bytes] = []
+        for member in self.heads:
+            if free <= 0:
+                break
+            weight = weight_of(member)
+            if self.limit is not None and weight > self.limit:
+                continue
+            if weight > free:
+                break
+            heads.append(member)
+            free -= weight
+        return heads
+
     def hand_off(self) -> None:
-        """As the scripts' aiosem_hand_off: free permits to the queue's head, another process's for a waiter TTL."""
+        """As the scripts' aiosem_hand_off: free weight to the queue's head, another process's for a waiter TTL."""
         state = self.state
-        free = max(0, (self.freed if self.limit is None else self.limit - len(self.owners)))
+        free = self.freed if self.limit is None else self.limit - self.held
         self.freed = 0
-        heads, self.heads = self.heads[:free], self.heads[free:]
+        if free <= 0 or self.queue_size == 0:
+            return
+        heads = self.fitting_heads(free)
+        self.heads = [member for member in self.heads if member not in heads]
         messages: dict[str, list[str]] = {}
         for member in heads:
             owner = _owner(member)
@@ -308,7 +357,7 @@ class _Draft:
             and not self.limit_set
             and self.stored_limit is not None
             and self.stored_limit != state.limit
-            and (self.owners or self.queue_size > 0)
+            and (self.held > 0 or self.queue_size > 0)
         ):
             # A limit brought by another caller counts only while somebody holds or waits under it.
             self.refusal = LIMIT_MISMATCH
@@ -337,7 +386,10 @@ class _Draft:
         if self.refusal is not None:
             return self.refusal
         assert self.limit is not None  # noqa: S101 -- else refused: NO_LIMIT
-        if self.queue_size == 0 and len(self.owners) < self.limit:
+        weight = weight_of(member)
+        if weight > self.limit:
+            return TOO_HEAVY
+        if self.queue_size == 0 and self.held + weight <= self.limit:
             token = self.grant(member, now)
             self.enter(member)
             return token
@@ -358,12 +410,17 @@ class _Draft:
         keys = self.state.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
-            self.freed += 1
+            weight = weight_of(member)
+            self.freed += weight
+            self.held -= weight
             self.writes += [
                 ("ZREM", keys.owner_set, member),
                 ("ZREM", keys.timeout_set, member),
                 ("HDEL", keys.holders, member),
             ]
+            if weight > 1:
+                self.weighted.discard(member)
+                self.writes.append(("ZREM", keys.weights, member))
             return 1
         if step is Step.CANCEL:
             if member in self.queued:
@@ -422,7 +479,8 @@ class _Draft:
             self.write_queue_ttls()
         if not self.owners and self.queue_size == 0:
             # As the scripts: a limit set outlives the idle semaphore.
-            self.writes.append(("DEL", keys.holders) if self.limit_set else ("DEL", keys.limit, keys.holders))
+            idle = (keys.holders, keys.weights) if self.limit_set else (keys.limit, keys.holders, keys.weights)
+            self.writes.append(("DEL", *idle))
         else:
             # As the scripts' aiosem_persist_permits: no TTL on a key that
             # bears a live permit, lest volatile-* eviction take it. Only a
@@ -440,7 +498,7 @@ class _Draft:
         return Decision(
             writes=tuple(self.writes),
             reply=Reply(
-                holders=len(self.owners),
+                holders=self.held,
                 waiting=self.queue_size,
                 limit=self.limit,
                 next_expiry=min(left) / 1_000_000 if left else None,

@@ -23,6 +23,7 @@ __all__ = [
     "QUEUED",
     "REFUSED",
     "TOMBSTONED",
+    "TOO_HEAVY",
     "Operation",
     "Reply",
     "Step",
@@ -102,6 +103,8 @@ TOMBSTONED: Final = -2
 LIMIT_MISMATCH: Final = -3
 #: Acquire: the caller gave no limit, and none is stored.
 NO_LIMIT: Final = -4
+#: Acquire: the permit weighs more than the limit in force.
+TOO_HEAVY: Final = -5
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,8 @@ class Reply:
     """What one atomic step in Redis answered.
 
     Attributes:
-        holders: Permits held once the step was done.
+        holders: The weight of the permits held once the step was done
+            (each permit weighs 1 unless acquired with a weight).
         waiting: Waiters queued once the step was done.
         limit: The limit in force once the step was done: the one stored
             with the semaphore, else the caller's (``None``: neither).

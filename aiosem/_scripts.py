@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError
 
 from . import _rules
 from ._connection import Client, Command, PinnedConnection, is_cluster, pinned_connection
-from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, Step
+from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, TOO_HEAVY, Step
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -47,6 +47,7 @@ LUA_CONSTANTS: Mapping[str, int | str] = {
     "TOMBSTONED": TOMBSTONED,
     "LIMIT_MISMATCH": LIMIT_MISMATCH,
     "NO_LIMIT": NO_LIMIT,
+    "TOO_HEAVY": TOO_HEAVY,
     **{f"MODE_{step.name}": step.mode for step in Step if step.mode},
 }
 

@@ -34,7 +34,7 @@ from ._keys import SemaphoreKeys, check_prefix, decode_limit
 from ._observing import emit, emit_permit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, DEFAULT_TIMEOUT, _Default
 from ._permit import Permit
-from ._protocol import LIMIT_MISMATCH, NO_LIMIT, Reply, Step
+from ._protocol import LIMIT_MISMATCH, NO_LIMIT, TOO_HEAVY, Reply, Step
 from ._validation import (
     check_callable,
     check_client,
@@ -45,10 +45,12 @@ from ._validation import (
     check_timeout,
     check_upkeep,
     check_wait,
+    check_weight,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextlib import AbstractAsyncContextManager
     from types import TracebackType
 
     from ._core import Backend
@@ -192,6 +194,7 @@ class _Semaphore:
         blocking: bool = True,
         blocking_timeout: float | _Default | None = DEFAULT,
         *,
+        weight: int = 1,
         auto_refresh: bool = False,
         on_lost: LostCallback | None = None,
     ) -> Permit | None:
@@ -211,6 +214,13 @@ class _Semaphore:
         queued. Calls made in order in one process are sent, and served, in
         that order, from the first call on.
 
+        A permit of ``weight`` k counts k against the limit -- a report query
+        that needs the room of three lookups -- and is granted whole, in one
+        step, once k fits in what the holders leave. Waiters are served in
+        arrival order whatever they weigh: a heavy waiter at the head holds
+        back lighter ones behind it until its weight is free, so it never
+        starves (head-of-line blocking, as Go's ``semaphore.Weighted``).
+
         With ``auto_refresh``, the permit is kept alive in the background
         (every ``refresh_interval``) until it is released; if it is lost
         meanwhile, ``on_lost`` -- or else the semaphore's ``on_lost`` -- is
@@ -223,6 +233,8 @@ class _Semaphore:
             blocking: Wait for a permit; with ``False``, try once and return.
             blocking_timeout: How long to wait at most, in seconds; ``None``
                 or infinity waits for ever. Defaults to the semaphore's.
+            weight: What the permit counts for against the limit: an int
+                from 1 (the default) to the limit in force.
             auto_refresh: Keep the permit alive until it is released.
             on_lost: With ``auto_refresh``: called (in the refresher's task,
                 so it must not block) with the `PermitLost` if the permit is
@@ -232,10 +244,13 @@ class _Semaphore:
             The `Permit`, or ``None`` if none could be had in time.
 
         Raises:
-            TypeError: ``blocking_timeout`` is not a number, or ``on_lost``
-                not callable.
-            ValueError: ``blocking_timeout`` is negative or NaN, or
-                ``on_lost`` is given without ``auto_refresh``.
+            TypeError: ``blocking_timeout`` is not a number, ``weight`` not
+                an int, or ``on_lost`` not callable.
+            ValueError: ``blocking_timeout`` is negative or NaN, ``weight``
+                is below 1, or ``on_lost`` is given without
+                ``auto_refresh`` (nothing was sent); or ``weight`` is above
+                the limit in force (Redis refused it at once: such a permit
+                could never be granted).
             RuntimeError: The semaphore is in use by another event loop.
             LimitMismatch: The semaphore is in use -- somebody holds or
                 waits -- with another limit, which no `set_limit` set;
@@ -261,7 +276,7 @@ class _Semaphore:
                 raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
             if not auto_refresh:
                 raise ValueError("on_lost is only called for a permit kept alive: pass auto_refresh=True")
-        taken = await self._take(blocking, blocking_timeout)
+        taken = await self._take(blocking, blocking_timeout, check_weight(weight))
         if taken is None:
             return None
         permit, confirmed_at, lease = taken
@@ -270,9 +285,9 @@ class _Semaphore:
         return permit
 
     async def _take(
-        self, blocking: bool, blocking_timeout: float | _Default | None
+        self, blocking: bool, blocking_timeout: float | _Default | None, weight: int = 1
     ) -> tuple[Permit, float, float] | None:
-        """Acquire: the permit, when its lease was confirmed (loop time) and for how long."""
+        """Acquire a permit of ``weight``: the permit, when its lease was confirmed (loop time) and for how long."""
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         if not blocking:
             wait = 0.0
@@ -280,12 +295,18 @@ class _Semaphore:
         started = time.monotonic()
         # In the background: a call's order and its timeout owe nothing to a one-time check.
         watch_eviction_policy(self._client, self._keys.base)
-        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait)
-        if value == LIMIT_MISMATCH:
-            # Neither granted nor queued: nothing to give up.
+        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait, weight)
+        # Neither granted nor queued below: nothing to give up.
+        if value in (LIMIT_MISMATCH, TOO_HEAVY):
             stored, _ = decode_limit(await detached(self._client.get(self._keys.limit), name="aiosem limit"))
+            limit = stored or self._settings.limit
+            if value == TOO_HEAVY:
+                raise ValueError(
+                    f"weight must be at most the limit in force for semaphore {self._settings.name!r} ({limit}), "
+                    f"got {weight}: a permit that heavy could never be granted"
+                )
             assert self._settings.limit is not None  # noqa: S101 -- only a limit brought can mismatch
-            raise LimitMismatch(name=self._settings.name, limit=self._settings.limit, stored_limit=stored or 0)
+            raise LimitMismatch(name=self._settings.name, limit=self._settings.limit, stored_limit=limit or 0)
         if value == NO_LIMIT:
             raise LimitNotSet(name=self._settings.name)
         if value <= 0:
@@ -299,6 +320,7 @@ class _Semaphore:
             permit.acquired_at - started,
             identifier=identifier,
             fencing_token=value,
+            cost=weight,
         )
         return permit, confirmed_at, lease
 
@@ -445,7 +467,7 @@ class _Semaphore:
         await self._core.close()
 
     async def count(self) -> int:
-        """Return how many permits are held now, in all processes.
+        """Return how many permits are held now, in all processes, each counted at its weight.
 
         Like every step, it first reaps expired permits and dead waiters and
         hands what is free to the queue.
@@ -512,13 +534,32 @@ class _Semaphore:
                 wrote nothing (see the faults page).
             redis.RedisError: Redis failed or could not be reached.
         """
-        taken = await self._take(blocking=True, blocking_timeout=DEFAULT)
+        return await self._enter(1)
+
+    async def _enter(self, weight: int) -> Permit:
+        """``async with``'s entry, for a permit of ``weight`` (and `limiter`'s)."""
+        taken = await self._take(blocking=True, blocking_timeout=DEFAULT, weight=weight)
         if taken is None:
             assert self._blocking_timeout is not None  # noqa: S101 -- only a bounded wait gives up
             raise AcquireTimeout(name=self._settings.name, blocking_timeout=self._blocking_timeout)
         permit, confirmed_at, lease = taken
         self._core.holdings.enter(permit, confirmed_at, lease, on_lost=self._on_lost)
         return permit
+
+    def __call__(self, *, weight: int) -> AbstractAsyncContextManager[Permit]:
+        """Hold a permit of ``weight`` for a block: ``async with sem(weight=3):``, as ``async with sem:`` one of 1.
+
+        The permit counts ``weight`` against the limit; otherwise the block
+        is exactly ``async with sem``: waited for up to
+        ``blocking_timeout``, kept alive, cancelled if lost, given back
+        shielded (see `acquire` for how weights are served).
+
+        Raises:
+            TypeError: ``weight`` is not an int (raised at once).
+            ValueError: ``weight`` is below 1 (raised at once); on entering,
+                it is above the limit in force.
+        """
+        return _Weighed(self, check_weight(weight))
 
     async def __aexit__(
         self,
@@ -541,3 +582,27 @@ class _Semaphore:
             redis.RedisError: The release failed although the body completed.
         """
         await self._core.holdings.exit(exc_type, exc, traceback)
+
+
+class _Weighed:
+    """The async context manager ``sem(weight=k)`` returns: ``async with sem`` for a permit of ``k``."""
+
+    __slots__ = ("_semaphore", "_weight")
+
+    def __init__(self, semaphore: _Semaphore, weight: int) -> None:
+        self._semaphore = semaphore
+        self._weight = weight
+
+    def __repr__(self) -> str:
+        return f"{self._semaphore!r}(weight={self._weight})"
+
+    async def __aenter__(self) -> Permit:
+        return await self._semaphore._enter(self._weight)  # noqa: SLF001 -- the semaphore's own entry
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self._semaphore.__aexit__(exc_type, exc, traceback)

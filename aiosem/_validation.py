@@ -210,6 +210,17 @@ def check_cost(value: object, burst: int | None = None, argument: str = "cost") 
     return value
 
 
+def check_weight(value: object) -> int:
+    """What one permit weighs: an int from 1 to 2**53 (whether it fits the limit in force, Redis says)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"weight must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"weight must be at least 1, got {_shown(value)}")
+    if value > MOST_LIMIT:
+        raise ValueError(f"weight must be at most 2**53 ({MOST_LIMIT:,}), got {_shown(value)}")
+    return value
+
+
 def check_replicas(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"replicas must be an int, not {type(value).__name__}")

@@ -27,6 +27,7 @@ import redis
 from ._channel import Channel
 from ._coordination import Submission, raise_if_cancel_swallowed, to_the_end
 from ._exceptions import SemaphoreError
+from ._keys import weighted
 from ._observing import log_fields
 from ._protocol import QUEUED, Reply, Step
 from ._timing import Backoff
@@ -197,8 +198,8 @@ class WaitQueue:
 
     # --- a waiter's life ------------------------------------------------------
 
-    async def wait(self, wait: float | None) -> tuple[str, int, tuple[float, float]]:
-        """Take a permit, queueing for it for up to ``wait`` seconds (0: try once; ``None``: for ever).
+    async def wait(self, wait: float | None, weight: int = 1) -> tuple[str, int, tuple[float, float]]:
+        """Take a permit of ``weight``, queueing for it for up to ``wait`` seconds (0: try once; ``None``: for ever).
 
         Returns the identifier, what the step answered (a token, or a code),
         and how the lease was confirmed. Nothing is awaited before the call
@@ -209,7 +210,7 @@ class WaitQueue:
         core = self._core
         loop = asyncio.get_running_loop()
         deadline = None if wait is None else loop.time() + wait
-        identifier = f"{core.process}.{secrets.token_hex(8)}"
+        identifier = weighted(f"{core.process}.{secrets.token_hex(8)}", weight)
         submission: Submission[Reply] = Submission((identifier,))
         waiter: Waiter | None = None
         try:

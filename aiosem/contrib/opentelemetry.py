@@ -27,8 +27,9 @@ values: a name per host or per user makes one time series each.
 Spans, with ``spans=True`` (the default): an ``aiosem.wait`` span for each
 wait, and an ``aiosem.hold`` span for each permit held, from its grant to
 its release or loss, both with the attributes above plus a semaphore's
-``aiosem.identifier`` and ``aiosem.fencing_token``, or a rate limiter's
-``aiosem.cost`` (how many slots the call took or asked for). They are
+``aiosem.identifier``, ``aiosem.fencing_token`` and ``aiosem.weight`` (what
+the permit weighs), or a rate limiter's ``aiosem.cost`` (how many slots the
+call took or asked for). They are
 recorded when the wait or hold ends, with their real start and end times,
 as children of the span current in the task where they end; a wait that
 timed out and a permit that was lost end with status ``ERROR``.
@@ -114,8 +115,7 @@ class Instrumentation:
             span_attributes["aiosem.identifier"] = event.identifier
         if event.fencing_token is not None:
             span_attributes["aiosem.fencing_token"] = event.fencing_token
-        if event.limiter == "rate":
-            span_attributes["aiosem.cost"] = event.cost
+        span_attributes["aiosem.cost" if event.limiter == "rate" else "aiosem.weight"] = event.cost
         end = round(event.time * _NANOSECONDS)
         start = end if math.isnan(event.duration) else end - round(event.duration * _NANOSECONDS)
         waited = event.kind in ("acquired", "timed_out")

@@ -27,7 +27,9 @@ local LIMIT = KEYS[8]      -- the limit in force: 'n' as a caller brought it,
                            -- a limit step, until cleared (see aiosem_stored_limit)
 local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter), while
                            -- it holds or waits
-local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
+local WEIGHTS = KEYS[10]   -- holder weighing more than 1 -> its weight (see
+                           -- aiosem_weight)
+local RECEIPT = KEYS[11]   -- what this call released, if it is a release with
                            -- an id: one '1' or '0' per identifier
 --
 -- and the same arguments:
@@ -48,16 +50,28 @@ local RECEIPT = KEYS[10]   -- what this call released, if it is a release with
 -- ARGV[11] '1' if the caller relays a mutex through a run of its own waiters
 --         (see aiosem_relay_run), else ''
 -- ARGV[12] the caller's record of who it is (see aiosem_enter), '' for none
--- ARGV[13..] identifiers
+-- ARGV[13..] identifiers: a permit's weighs k (> 1) if it ends in '*k', else 1
 --
--- and every script returns {holders, waiting, next_expiry_us, relayed,
+-- and every script returns {held, waiting, next_expiry_us, relayed,
 -- limit, result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1,
--- token_1, ...}: next_expiry_us is how long until the earliest lease runs
+-- token_1, ...}: held is the weight of the permits held, next_expiry_us is
+-- how long until the earliest lease runs
 -- out (-1: nobody holds), limit the limit in force (0: none), the results
 -- are one per identifier, the granted pairs are
 -- the waiters this call handed a permit, and the last `relayed` pairs are
 -- the run of the caller's waiters that permit is relayed to (see
 -- aiosem_relay_run).
+
+-- What a permit weighs: k if its identifier ends in '*k' with k > 1, else
+-- 1. The weight is part of the identifier so that whoever reads one -- a
+-- hand-off, the reaper, a release -- knows it without another read.
+local function aiosem_weight(identifier)
+  local weight = tonumber(string.match(identifier, '%*(%d+)$'))
+  if weight and weight > 1 then
+    return weight
+  end
+  return 1
+end
 
 local function aiosem_now(override)
   if override ~= '' then
@@ -209,8 +223,41 @@ local function aiosem_past(now, cutoff)
   return spared, expired
 end
 
--- Remove every permit whose lease ran out from both sets, and return how
--- many were freed and how many are held. A book client writes the two sets
+-- How much more than 1 each the holders weigh, together. WEIGHTS lists the
+-- holders weighing more (a grant writes it); a member that holds no more
+-- -- reaped, evicted, or released by a book client -- is dropped from it
+-- here. Costs one ZCARD while nobody weighted holds.
+local function aiosem_extra_weight()
+  if redis.call('ZCARD', WEIGHTS) == 0 then
+    return 0
+  end
+  local members = redis.call('ZRANGE', WEIGHTS, 0, -1)
+  local tokens = aiosem_each('ZMSCORE', OWNERS, members)
+  local extra, gone = 0, {}
+  for i, member in ipairs(members) do
+    if tokens[i] then
+      extra = extra + aiosem_weight(member) - 1
+    else
+      gone[#gone + 1] = member
+    end
+  end
+  aiosem_zrem_all(WEIGHTS, gone)
+  return extra
+end
+
+-- Hold a permit: `identifier` is granted `token`, with a lease from `stamp`.
+local function aiosem_hold(identifier, token, stamp, state)
+  redis.call('ZADD', OWNERS, token, identifier)
+  redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
+  local weight = aiosem_weight(identifier)
+  if weight > 1 then
+    redis.call('ZADD', WEIGHTS, weight, identifier)
+  end
+  state.holders = state.holders + weight
+end
+
+-- Remove every permit whose lease ran out from both sets, and return the
+-- weight freed and the weight held. A book client writes the two sets
 -- in separate steps, and eviction may take one set and not the other, so
 -- afterwards drop any member that is in one set only: an owner entry
 -- without a lease would hold a permit forever, a lease without an owner
@@ -219,6 +266,8 @@ end
 local function aiosem_reap(state)
   local before = redis.call('ZCARD', OWNERS)
   local leases = redis.call('ZCARD', TIMEOUTS)
+  local extra = aiosem_extra_weight()
+  local weighed = before + extra
   local spared, expired = aiosem_past(state.now, state.now - state.lease)
   state.spared = #spared.members > 0
   local held = before
@@ -232,7 +281,10 @@ local function aiosem_reap(state)
     redis.call('ZINTERSTORE', TIMEOUTS, 2, TIMEOUTS, OWNERS, 'WEIGHTS', 1, 0)
     held = redis.call('ZCARD', OWNERS)
   end
-  return before - held, held
+  if held ~= before and extra > 0 then
+    extra = aiosem_extra_weight()
+  end
+  return weighed - held - extra, held + extra
 end
 
 -- Forget waiters that stopped proving they are alive; return how many are
@@ -268,7 +320,7 @@ local function aiosem_relay_run(head, state, relayed)
   local behind = redis.call('ZRANGE', QUEUE, 0, RUN_LENGTH - 1)
   local run = {}
   for _, identifier in ipairs(behind) do
-    if aiosem_owner(identifier) ~= state.caller then
+    if aiosem_owner(identifier) ~= state.caller or aiosem_weight(identifier) ~= 1 then
       break
     end
     run[#run + 1] = identifier
@@ -283,18 +335,50 @@ local function aiosem_relay_run(head, state, relayed)
   end
 end
 
--- Grant up to `free` permits to the longest-waiting waiters, appending
--- identifier and token of each to `granted`, and tell each waiter's process
--- on its channel (the caller learns of its own from the reply). A permit
--- handed to another process's waiter lasts only a waiter TTL until that
--- process claims it with a refresh: a waiter that died while queued never
--- holds the line for a whole lease.
+-- The waiters that `free` weight goes to, in queue order: each in turn while
+-- its weight fits in what is left. A head that does not fit holds back the
+-- waiters behind it (none of them starves); one heavier than the limit in
+-- force, which can never fit until the limit is raised, is passed over.
+local function aiosem_heads(free, state)
+  local heads, offset = {}, 0
+  while free > 0 do
+    local batch = redis.call('ZRANGE', QUEUE, offset, offset + free - 1)
+    for _, identifier in ipairs(batch) do
+      local weight = aiosem_weight(identifier)
+      if not state.limit or weight <= state.limit then
+        if weight > free then
+          return heads
+        end
+        heads[#heads + 1] = identifier
+        free = free - weight
+        if free == 0 then
+          return heads
+        end
+      end
+    end
+    if #batch == 0 then
+      return heads
+    end
+    offset = offset + #batch
+  end
+  return heads
+end
+
+-- Grant `free` weight to the longest-waiting waiters (see aiosem_heads),
+-- appending identifier and token of each to `granted`, and tell each
+-- waiter's process on its channel (the caller learns of its own from the
+-- reply). A permit handed to another process's waiter lasts only a waiter
+-- TTL until that process claims it with a refresh: a waiter that died while
+-- queued never holds the line for a whole lease.
 local function aiosem_hand_off(free, state, granted, relayed)
   if free <= 0 or state.queued == 0 then
     return
   end
   local now, lease, waiter_ttl = state.now, state.lease, state.waiter_ttl
-  local heads = redis.call('ZRANGE', QUEUE, 0, free - 1)
+  local heads = aiosem_heads(free, state)
+  if #heads == 0 then
+    return
+  end
   local messages = {}
   for _, identifier in ipairs(heads) do
     local token = aiosem_next_token(now)
@@ -306,14 +390,12 @@ local function aiosem_hand_off(free, state, granted, relayed)
         messages[owner] = (messages[owner] or '') .. identifier .. ':' .. string.format('%d', token) .. ' '
       end
     end
-    redis.call('ZADD', OWNERS, token, identifier)
-    redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
+    aiosem_hold(identifier, token, stamp, state)
     granted[#granted + 1] = identifier
     granted[#granted + 1] = token
   end
   aiosem_zrem_all(QUEUE, heads)
   aiosem_zrem_all(WAITERS, heads)
-  state.holders = state.holders + #heads
   state.queued = state.queued - #heads
   for owner, text in pairs(messages) do
     redis.call(state.publish, state.channels .. owner, text)
@@ -399,8 +481,8 @@ end
 -- caller's, else nil), caller_limit, stored (the stored limit) and set (whether
 -- a limit step set it), waiter_ttl, mode, call, receipt_seconds, relays, record,
 -- `forgotten` (see aiosem_forget), `spared` (see aiosem_reap), `freed` (permits given up
--- by the operation, which matter when the limit is unknown), the counts
--- `holders` and `queued`, which every write keeps up to date,
+-- by the operation, which matter when the limit is unknown), `holders` (the
+-- weight held) and `queued` (the waiters), which every write keeps up to date,
 -- `waiters_written`, which an operation sets when it queues a waiter or
 -- proves one alive, and `limit_changed`, which it sets when it changes the
 -- limit in force: what is free then goes to the queue after it, too.
@@ -464,9 +546,9 @@ local function aiosem_run(operation, hand_off_first)
     -- Idle: whoever comes next may bring another limit, unless one was set;
     -- and no record is of anybody who holds or waits.
     if state.set then
-      redis.call('DEL', HOLDERS)
+      redis.call('DEL', HOLDERS, WEIGHTS)
     else
-      redis.call('DEL', LIMIT, HOLDERS)
+      redis.call('DEL', LIMIT, HOLDERS, WEIGHTS)
     end
   else
     aiosem_forget_now(state)

@@ -1,7 +1,7 @@
 -- Grant permits of a fair semaphore, or queue for them.
 --
--- KEYS: the ten of every fair script (see the prelude): TIMEOUTS, OWNERS,
--- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, RECEIPT
+-- KEYS: the eleven of every fair script (see the prelude): TIMEOUTS, OWNERS,
+-- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, WEIGHTS, RECEIPT
 -- (unused here).
 -- ARGV: the prelude's; ARGV[3] is the caller's limit ('': the stored one),
 -- ARGV[8] the mode, ARGV[12] the record of the identifiers it queues or
@@ -21,7 +21,10 @@
 -- identifier was cancelled before this call arrived (its tombstone, having
 -- served, is removed); LIMIT_MISMATCH if the semaphore is in use with
 -- another limit, which the caller brought (see LIMIT); NO_LIMIT if the
--- caller brought none and none is stored: nothing is granted or queued then.
+-- caller brought none and none is stored; TOO_HEAVY if the identifier weighs
+-- more than the limit in force: nothing is granted or queued then.
+-- A permit is granted straight away if nobody is queued and its weight fits
+-- in what the holders leave of the limit.
 -- Queued waiters are served first, so a newcomer never jumps the queue. An
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
@@ -44,12 +47,14 @@ local function acquire(identifier, state, refusal)
   if refusal then
     return refusal
   end
-  if state.queued == 0 and state.holders < state.limit then
+  local weight = aiosem_weight(identifier)
+  if weight > state.limit then
+    return TOO_HEAVY
+  end
+  if state.queued == 0 and state.holders + weight <= state.limit then
     token = aiosem_next_token(state.now)
-    redis.call('ZADD', OWNERS, token, identifier)
-    redis.call('ZADD', TIMEOUTS, stamp, identifier)
+    aiosem_hold(identifier, token, state.now, state)
     aiosem_enter(identifier, state)
-    state.holders = state.holders + 1
     return token
   end
   if state.mode ~= MODE_WAIT then

@@ -1,7 +1,7 @@
 -- Release permits of a fair semaphore, handing each freed permit to the
 -- longest-waiting waiter in the same step.
 --
--- KEYS: the ten of every fair script (see the prelude); RECEIPT is this
+-- KEYS: the eleven of every fair script (see the prelude); RECEIPT is this
 -- call's receipt.
 -- ARGV: the prelude's; ARGV[8] is the mode, ARGV[9] the call's id, ARGV[10]
 -- how long its receipt is kept, ARGV[13..] the identifiers. Without a limit
@@ -29,8 +29,12 @@ local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
     aiosem_forget({identifier}, state)
-    state.freed = state.freed + 1
-    state.holders = state.holders - 1
+    local weight = aiosem_weight(identifier)
+    if weight > 1 then
+      redis.call('ZREM', WEIGHTS, identifier)
+    end
+    state.freed = state.freed + weight
+    state.holders = state.holders - weight
     return 1
   end
   if state.mode == MODE_CANCEL then
@@ -61,7 +65,7 @@ local function pass(successor, token, released, state)
   -- The successor takes the permit its holder released -- or, the holder's
   -- gone, one that is free -- as the head of the queue, which a run's next
   -- waiter is: it stays queued, in its place, until a pass reaches it.
-  if released == 0 and not (state.limit and state.holders < state.limit) then
+  if released == 0 and not (state.limit and state.holders + aiosem_weight(successor) <= state.limit) then
     return 0
   end
   if redis.call('ZRANGE', QUEUE, 0, 0)[1] ~= successor then
@@ -70,10 +74,8 @@ local function pass(successor, token, released, state)
   redis.call('ZREM', QUEUE, successor)
   redis.call('ZREM', WAITERS, successor)
   state.queued = state.queued - 1
-  redis.call('ZADD', OWNERS, token, successor)
-  redis.call('ZADD', TIMEOUTS, aiosem_seconds(state.now), successor)
+  aiosem_hold(successor, token, state.now, state)
   state.freed = state.freed - released
-  state.holders = state.holders + 1
   return tonumber(token)
 end
 

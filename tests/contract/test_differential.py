@@ -41,9 +41,9 @@ from hypothesis import strategies as st
 
 from aiosem import AsyncLockedSemaphore
 from aiosem._fair import fair_step
-from aiosem._keys import SemaphoreKeys
+from aiosem._keys import SemaphoreKeys, weight_of
 from aiosem._plan import own_lease
-from aiosem._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, TOMBSTONED, Operation, Reply, Step
+from aiosem._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, TOMBSTONED, TOO_HEAVY, Operation, Reply, Step
 from aiosem._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, queue_ttl_ms
 from tests.harness.support import FakeClock
 
@@ -68,8 +68,15 @@ CALLS: Final = ("", "c1", "c2")
 
 
 def pool(caller: str) -> list[str]:
-    """The identifiers a test draws from: three of the caller's waiters, three of others', two of a book client."""
-    return [f"{caller}.a", f"{caller}.b", f"{caller}.c", f"{OTHER}.a", f"{OTHER}.b", f"{THIRD}.a", "book-1", "book-2"]
+    """The identifiers a test draws from: three of the caller's waiters, three of others', two of a book client.
+
+    Two of them weigh more than 1 (see `WEIGHTED`).
+    """
+    return [f"{caller}.a", f"{caller}.b", f"{caller}.c*2", f"{OTHER}.a", f"{OTHER}.b*3", f"{THIRD}.a", "book-1", "book-2"]
+
+
+#: The indices of the pool's identifiers that weigh more than 1.
+WEIGHTED: Final = (2, 4)
 
 
 # --- the generated state ------------------------------------------------------------------
@@ -99,6 +106,9 @@ class Seed:
     receipts: dict[str, str]
     #: index -> the lease, in ms, of its record in :holders: longer or shorter than the steps', or none.
     records: dict[int, int]
+    #: The indices listed in :weights: the weighted holders, as a grant lists them -- or not all of them
+    #: (evicted), or some that hold no more.
+    weights: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,8 @@ def seeds(draw: st.DrawFn) -> Seed:
     own_leases = st.sampled_from([int(lease * 500), int(lease * 1000), int(lease * 2000), int(lease * 3000)])
     recorded = [*holders, *(index for index, *_ in waiters)]
     records = draw(st.dictionaries(st.sampled_from(recorded), own_leases)) if recorded else {}
+    listed = {index for index in WEIGHTED if index in holders and holders[index][3]}
+    listed = draw(st.sampled_from([listed, listed, listed, set(), set(WEIGHTED)]))
     return Seed(
         limit,
         lease,
@@ -158,6 +170,7 @@ def seeds(draw: st.DrawFn) -> Seed:
         queue_ttls,
         receipts,
         records,
+        frozenset(listed),
     )
 
 
@@ -209,6 +222,8 @@ async def write_seed(admin: redis.asyncio.Redis, keys: SemaphoreKeys, seed: Seed
         pipe.pexpire(keys.cancelled, 61_000)
     for index, lease_ms in seed.records.items():
         pipe.hset(keys.holders, ids[index], f'[{lease_ms},4242,"elsewhere",null]')
+    for index in seed.weights:
+        pipe.zadd(keys.weights, {ids[index]: weight_of(ids[index])})
     write_strings_and_ttls(pipe, keys, seed)
     await pipe.execute()
 
@@ -338,10 +353,16 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
             yield "a limit mismatch"
         elif value == NO_LIMIT:
             yield "no limit brought, none in force"
+        elif value == TOO_HEAVY:
+            yield "a permit heavier than the limit refused"
         elif value == QUEUED:
             yield "queued, or proven alive"
     if reply.granted:
         yield "a hand-off"
+    if any(weight_of(identifier) > 1 for identifier, _ in reply.granted) or any(
+        value > 0 and weight_of(identifier) > 1 for identifier, value in zip(identifiers, reply.values, strict=True)
+    ):
+        yield "a weighted permit granted"
 
 
 # --- the test ------------------------------------------------------------------------------
