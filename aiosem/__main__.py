@@ -3,16 +3,18 @@
 ==============================================  =====================================================
 ``aiosem demo [--url URL]``                     worker processes share one limit, watched live
 ``aiosem status [NAME...] [--json] [--watch]``  limit, holders, waiters, tokens and rate, from Redis
+``aiosem limit NAME [N | --clear] [--locked]``  show, set or clear the limit in force for everybody
 ``aiosem reset NAME [--yes] [--rate]``          clear a stuck semaphore; its fencing counter stays
 ``aiosem --version``                            the installed version
 ==============================================  =====================================================
 
-``status`` and ``reset`` take the Redis URL from ``--url``, else from
-``AIOSEM_REDIS_URL``. Exit statuses: 0 done; 1 a named semaphore does not
-exist, or a reset was not confirmed; 2 a usage error (as argparse's), no URL,
-or no ``rich`` for the table; 3 Redis failed or could not be reached; 130
-Ctrl-C; 141 the reader of the output left (``| head``). A failure is told
-in one line on stderr. Passwords in URLs are never printed.
+``status``, ``limit`` and ``reset`` take the Redis URL from ``--url``, else
+from ``AIOSEM_REDIS_URL``. Exit statuses: 0 done; 1 a named semaphore does
+not exist, or a reset was not confirmed; 2 a usage error (as argparse's), no
+URL, or no ``rich`` for the table; 3 Redis failed or could not be reached,
+or a step lock stayed busy for a whole lease; 130 Ctrl-C; 141 the reader of
+the output left (``| head``). A failure is told in one line on stderr.
+Passwords in URLs are never printed.
 
 ``demo`` takes ``--url``, else ``AIOSEM_REDIS_URL``, else serves an
 embedded store. A ``status`` NAME with ``*``, ``?`` or ``[`` is a pattern
@@ -40,12 +42,14 @@ from ._config import Settings
 from ._default_client import ENV_URL
 from ._demo import KINDS, Config, embedded_server, interrupts_deferred
 from ._demo import main as run_demo
-from ._exceptions import RedisUnavailable
+from ._exceptions import RedisUnavailable, SemaphoreError
 from ._extras import install_hint
+from ._fair import AsyncFairSemaphore
 from ._keys import check_prefix
+from ._locked import AsyncLockedSemaphore
 from ._status import find_names, read_status, reset
 from ._urls import CLUSTER_SCHEMES, SENTINEL_SCHEMES, SERVER_SCHEMES, check_url_form, close, connect
-from ._validation import check_name, check_timeout
+from ._validation import check_limit, check_name, check_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
 
     from ._connection import Client
     from ._keys import Record
+    from ._semaphore import SemaphoreStatistics
     from ._status import SemaphoreStatus
 
 T = TypeVar("T")
@@ -144,6 +149,17 @@ def _lease(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _limit_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"limit must be a whole number, got {text!r}") from None
+    try:
+        return check_limit(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _prefix(text: str) -> str:
     try:
         return check_prefix(text)
@@ -224,13 +240,34 @@ def _parser() -> argparse.ArgumentParser:
         help=f"read and show again every SECONDS (default: {_WATCH_INTERVAL:g}) until Ctrl-C",
     )
 
+    limit = commands.add_parser(
+        "limit",
+        help="show, set or clear the limit in force for every process",
+        description=(
+            "Without N or --clear, show the limit in force and whether it was set, changing nothing. With N, "
+            "set it: in force at once for every process, whatever limit each brings, until cleared; raising "
+            "it grants waiters at once, lowering it takes no permit back. With --clear, clear a set limit: "
+            "the next acquire's limit applies."
+        ),
+    )
+    limit.add_argument("name", type=_name, metavar="NAME", help="the semaphore")
+    change = limit.add_mutually_exclusive_group()
+    change.add_argument("limit", nargs="?", type=_limit_value, metavar="N", help="the limit to set (at least 1)")
+    change.add_argument("--clear", action="store_true", help="clear a set limit")
+    _add_redis_arguments(limit)
+    limit.add_argument(
+        "--locked",
+        action="store_true",
+        help="set or clear it as AsyncLockedSemaphore does, without Lua, for a server that forbids scripting",
+    )
+
     reset_ = commands.add_parser(
         "reset",
         help="clear a stuck semaphore: its permits, queue, limit and lock; keep its fencing counter",
         description=(
-            "Delete a semaphore's permits, waiters, limit and step lock in one transaction. Its fencing counter "
-            "is kept, so the next grant's token is higher than any before. Holders find their permit lost at "
-            "their next refresh."
+            "Delete a semaphore's permits, waiters, limit (a set one too) and step lock in one transaction. Its "
+            "fencing counter is kept, so the next grant's token is higher than any before. Holders find their "
+            "permit lost at their next refresh."
         ),
     )
     reset_.add_argument("name", type=_name, metavar="NAME", help="the semaphore to reset")
@@ -249,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     and SIGPIPE.
     """
     args = _parser().parse_args(argv)
-    command = {"demo": _demo, "status": _status, "reset": _reset}[args.command]
+    command = {"demo": _demo, "status": _status, "limit": _limit, "reset": _reset}[args.command]
     try:
         return command(args)
     except _Refusal as refusal:
@@ -475,6 +512,7 @@ def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -
                 "exists": status.exists,
                 "time": status.time,
                 "limit": status.limit,
+                "limit_set": status.limit_set,
                 "last_token": status.last_token,
                 "held": status.held,
                 "holders": [
@@ -546,7 +584,7 @@ def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: flo
         expired = len(status.holders) - status.held
         summary.add_row(
             Text(status.name),
-            "-" if status.limit is None else str(status.limit),
+            "-" if status.limit is None else _limit_text(status.limit, status.limit_set),
             f"{status.held} (+{expired} expired)" if expired else str(status.held),
             str(len(status.waiters)),
             "-" if status.last_token is None else str(status.last_token),
@@ -599,10 +637,53 @@ def _who_cells(record: Record | None) -> tuple[Text, str, Text]:
     return Text(record.host), str(record.pid), Text("-" if record.label is None else record.label)
 
 
+def _limit_text(limit: int, limit_set: bool) -> str:
+    """A limit in force, marked if it was set (a limit its users brought is not)."""
+    return f"{limit} (set)" if limit_set else str(limit)
+
+
 def _lock_cell(status: SemaphoreStatus) -> str:
     if not status.locked:
         return "-"
     return "held" if status.lock_expires_in is None else f"held, {status.lock_expires_in:.3f} s left"
+
+
+def _limit(args: argparse.Namespace) -> int:
+    """Show the limit in force, or set or clear it; say so in one line."""
+    url = _url(args)
+    name = repr(args.name)
+    if args.limit is None and not args.clear:
+        # Read as status reads: no Lua, nothing changed.
+        status = _on_redis(url, lambda client: read_status(client, args.prefix, args.name, _DEFAULT_TIMEOUT))
+        shown = "no limit in force" if status.limit is None else f"limit {_limit_text(status.limit, status.limit_set)}"
+        print(f"{name}: {shown}; {status.held} held, {len(status.waiters)} waiting")
+        return 0
+    kind = AsyncLockedSemaphore if args.locked else AsyncFairSemaphore
+
+    async def step(client: Client) -> tuple[int | None, SemaphoreStatistics]:
+        # Made without a limit: it brings none, so it neither stores one nor meets a mismatch.
+        semaphore = kind(client, args.name, None, prefix=args.prefix)
+        try:
+            before = await semaphore.set_limit(args.limit)
+            return before, semaphore.statistics()
+        finally:
+            await semaphore.aclose()
+
+    try:
+        before, after = _on_redis(url, step)
+    except SemaphoreError as error:  # Redis's own errors became a _Refusal: here, a step lock that stayed busy
+        raise _Refusal(_describe(error, url), _EXIT_REDIS) from None
+    if args.limit is not None:
+        was = "none" if before is None else before
+        print(f"{name}: limit {args.limit} (was {was}); {after.holders} held, {after.waiting} waiting")
+    elif after.limit is not None:
+        # Only a set limit is cleared; one its users brought stays as long as they hold or wait.
+        print(f"{name}: no limit was set; limit {after.limit}, brought by its users, stays while they hold or wait")
+    elif before is None:
+        print(f"{name}: no limit was set; the next acquire's limit applies")
+    else:
+        print(f"{name}: limit cleared (was {before}); the next acquire's limit applies")
+    return 0
 
 
 def _reset(args: argparse.Namespace) -> int:
@@ -615,9 +696,10 @@ def _reset(args: argparse.Namespace) -> int:
             raise _Refusal(f"no semaphore {args.name!r} under prefix {args.prefix!r}", _EXIT_NOT_FOUND)
         rate = " and the state of its rate limiter" if args.rate else ""
         kept = "no fencing token issued yet" if status.last_token is None else f"last token {status.last_token}"
+        limit = f"the limit set ({status.limit})" if status.limit_set else "its limit"
         print(
             f"Resetting {args.name!r} ({status.key}) deletes {len(status.holders)} permit(s), "
-            f"{len(status.waiters)} waiter(s), its limit and its step lock{rate}; "
+            f"{len(status.waiters)} waiter(s), {limit} and its step lock{rate}; "
             f"its fencing counter stays ({kept})."
         )
         try:

@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Final
 
 from ._connection import scored, text, transaction
-from ._keys import Record, SemaphoreKeys, decode_record, escape_name
+from ._keys import Record, SemaphoreKeys, decode_limit, decode_record, escape_name
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -98,7 +98,11 @@ class SemaphoreStatus:
         exists: Whether any of its keys exists (the records of holders and
             waiters aside).
         time: The server's clock at the read, in seconds since the epoch.
-        limit: The limit it is in use with; ``None`` while nobody holds or waits.
+        limit: The limit in force: one set (``set_limit``, ``python -m
+            aiosem limit``), which stays until cleared, or else the one its
+            users brought, which Redis keeps only while anybody holds or
+            waits; ``None``: neither.
+        limit_set: Whether ``limit`` was set, rather than brought.
         last_token: The last fencing token handed out; ``None`` if none ever was.
         holders: Every permit stored, lowest token first, expired ones included.
         waiters: The live waiters, in queue order (those presumed dead left out).
@@ -114,6 +118,7 @@ class SemaphoreStatus:
     exists: bool
     time: float
     limit: int | None
+    limit_set: bool
     last_token: int | None
     holders: tuple[Holder, ...]
     waiters: tuple[Waiter, ...]
@@ -223,6 +228,7 @@ async def read_status(client: Client, prefix: str, name: str, timeout: float) ->
         ("TIME",),
     )
     now = int(clock[0]) + int(clock[1]) / 1_000_000
+    limit_in_force, limit_set = decode_limit(limit)
     confirmed = dict(scored(leases))
     records = _records(stored)
 
@@ -252,7 +258,8 @@ async def read_status(client: Client, prefix: str, name: str, timeout: float) ->
         key=keys.base,
         exists=int(existing) > 0,
         time=now,
-        limit=None if limit is None else int(limit),
+        limit=limit_in_force,
+        limit_set=limit_set,
         last_token=None if counter is None else int(counter),
         holders=tuple(holders),
         waiters=waiters,
@@ -277,14 +284,18 @@ def _records(reply: Any) -> dict[str, Record]:
 async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetResult:
     """Delete a semaphore's permits, queue, limit, records and step lock in one transaction; keep its counter.
 
-    The fencing counter is kept so that tokens keep increasing: a resource
-    that remembers the highest token it saw still refuses the holders of
+    The limit goes whether its users brought it or it was set (with
+    ``set_limit`` or ``python -m aiosem limit``): a reset is a reset, and
+    the next acquire's limit applies, as on a new semaphore. The fencing
+    counter is kept so that tokens keep increasing: a resource that
+    remembers the highest token it saw still refuses the holders of
     before. So are the ticket counter (waiters drawn a ticket but not yet
     queued keep their place in the arrival order) and the tombstones of
     cancelled acquires (an acquire cancelled while on its way still takes
     nothing), and the receipts of recent releases (a release tried again
-    still learns what its first try did); all expire by themselves. A holder learns of the reset at its
-    next refresh, as `PermitLost`; a waiter is queued again by its process.
+    still learns what its first try did); all expire by themselves. A
+    holder learns of the reset at its next refresh, as `PermitLost`; a
+    waiter is queued again by its process.
 
     Args:
         client: A client of the server, Sentinel's master or the cluster.

@@ -1,4 +1,4 @@
-"""``python -m aiosem status`` and ``reset``, against real ``redis-server`` processes.
+"""``python -m aiosem status``, ``limit`` and ``reset``, against real ``redis-server`` processes.
 
 The command line runs in-process through `main` (in a worker thread when the
 test's own event loop holds permits: `main` runs an event loop of its own),
@@ -31,7 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, PermitLost, recipes
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, PermitLost, SemaphoreError, recipes
 from aiosem.__main__ import _describe, main, redact
 from aiosem._keys import SemaphoreKeys
 from aiosem._status import name_of
@@ -75,6 +75,11 @@ def table_row(output: str, name: str) -> list[str]:
 def flat(output: str) -> str:
     """``output`` with every run of white space made one space: a table's caption is folded to its width."""
     return " ".join(output.split())
+
+
+def step_as(cls: Semaphore) -> list[str]:
+    """The options of ``limit`` that make it step as ``cls`` does."""
+    return ["--locked"] if cls is AsyncLockedSemaphore else []
 
 
 class Terminal(io.StringIO):
@@ -323,6 +328,26 @@ async def test_the_table_shows_each_semaphore_with_its_holder_count(
     assert table_row(output, name) == [name, "3", "2", "0", str(last), "-", "-"]
     assert f"holders of '{name}'" in output
     assert "remaining = last confirmation + lease - now, on Redis's clock" in flat(output)
+
+
+async def test_a_limit_set_is_marked_set_in_the_table_and_the_json(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    brought, set_ = unique("brought"), unique("set")
+    semaphore = AsyncFairSemaphore(real_client, brought, 3)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    # Set on an idle name: it is in force all the same, and stays.
+    assert await AsyncFairSemaphore(real_client, set_, None).set_limit(5) is None
+    try:
+        entries = (await status_of(capsys, redis_server.url, brought, set_))["semaphores"]
+        assert await cli("status", "--url", redis_server.url, brought, set_) == 0
+    finally:
+        await semaphore.release(permit)
+    assert [(entry["limit"], entry["limit_set"]) for entry in entries] == [(3, False), (5, True)]
+    output = capsys.readouterr().out
+    assert table_row(output, brought)[1] == "3"
+    assert table_row(output, set_)[1:3] == ["5 (set)", "0"]
 
 
 def test_the_table_without_rich_says_how_to_get_it(
@@ -702,6 +727,149 @@ def test_a_user_meets_a_connection_failure_without_a_traceback_or_password(refus
     assert f"redis://app:***@127.0.0.1:{refusing_port}/0" in completed.stderr
 
 
+# --- limit ---------------------------------------------------------------------
+
+
+async def test_limit_n_sets_the_limit_in_force_and_says_what_it_was(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("set")
+    semaphore = cls(real_client, name, 2)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        assert await cli("limit", name, "5", "--url", redis_server.url, *step_as(cls)) == 0
+        assert capsys.readouterr().out == f"'{name}': limit 5 (was 2); 1 held, 0 waiting\n"
+        entry = await one_status(capsys, redis_server.url, name)
+    finally:
+        await semaphore.release(permit)
+    assert (entry["limit"], entry["limit_set"]) == (5, True)
+    # Set, not brought: it outlives the semaphore falling idle.
+    assert await real_client.get(SemaphoreKeys.for_name("aiosem", name).limit) == b"=5"
+
+
+async def test_raising_the_limit_grants_a_waiter_of_a_running_semaphore_at_once(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("raise")
+    semaphore = cls(real_client, name, 1)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    waiting = asyncio.create_task(semaphore.acquire(blocking_timeout=30))
+    try:
+        await until_queued(semaphore)
+        assert await cli("limit", name, "2", "--url", redis_server.url, *step_as(cls)) == 0
+        with anyio.fail_after(10):  # long before its blocking timeout, and with the first permit still held
+            granted = await waiting
+        assert granted is not None
+        await semaphore.release(granted)
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await semaphore.release(permit)
+        await semaphore.aclose()
+    assert capsys.readouterr().out == f"'{name}': limit 2 (was 1); 2 held, 0 waiting\n"
+
+
+async def test_limit_clear_clears_a_set_limit(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("clear")
+    semaphore = cls(real_client, name, None)
+    assert await semaphore.set_limit(4) is None
+    assert await cli("limit", name, "--clear", "--url", redis_server.url, *step_as(cls)) == 0
+    assert capsys.readouterr().out == f"'{name}': limit cleared (was 4); the next acquire's limit applies\n"
+    assert await real_client.exists(SemaphoreKeys.for_name("aiosem", name).limit) == 0
+    # Nothing set, nothing to clear.
+    assert await cli("limit", name, "--clear", "--url", redis_server.url, *step_as(cls)) == 0
+    assert capsys.readouterr().out == f"'{name}': no limit was set; the next acquire's limit applies\n"
+
+
+async def test_limit_clear_leaves_a_limit_its_users_brought(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = unique("brought")
+    semaphore = AsyncFairSemaphore(real_client, name, 3)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        assert await cli("limit", name, "--clear", "--url", redis_server.url) == 0
+        assert await real_client.get(SemaphoreKeys.for_name("aiosem", name).limit) == b"3"
+    finally:
+        await semaphore.release(permit)
+    assert capsys.readouterr().out == (
+        f"'{name}': no limit was set; limit 3, brought by its users, stays while they hold or wait\n"
+    )
+
+
+async def test_limit_without_n_shows_the_limit_in_force_and_changes_nothing(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    set_, brought, unused = unique("set"), unique("brought"), unique("unused")
+    await AsyncFairSemaphore(real_client, set_, None).set_limit(5)
+    semaphore = AsyncFairSemaphore(real_client, brought, 3)
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        for name in (set_, brought, unused):
+            assert await cli("limit", name, "--url", redis_server.url) == 0
+        stored = [
+            await real_client.get(SemaphoreKeys.for_name("aiosem", name).limit) for name in (set_, brought, unused)
+        ]
+    finally:
+        await semaphore.release(permit)
+    assert capsys.readouterr().out.splitlines() == [
+        f"'{set_}': limit 5 (set); 0 held, 0 waiting",
+        f"'{brought}': limit 3; 1 held, 0 waiting",
+        f"'{unused}': no limit in force; 0 held, 0 waiting",
+    ]
+    assert stored == [b"=5", b"3", None]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["0"], "argument N: limit must be at least 1, got 0"),
+        (["-3"], "argument N: limit must be at least 1, got -3"),
+        (["2.5"], "argument N: limit must be a whole number, got '2.5'"),
+        (["many"], "argument N: limit must be a whole number, got 'many'"),
+        (["3", "--clear"], "argument --clear: not allowed with argument N"),
+    ],
+)
+def test_a_bad_limit_exits_2_as_argparse_does(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["limit", "db", *argv, "--url", "redis://127.0.0.1:1/0"])
+    assert exited.value.code == 2
+    assert f"aiosem limit: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["5"], ["--clear"], ["5", "--locked"]], ids=["show", "set", "clear", "locked"])
+def test_limit_with_redis_unreachable_is_one_line_and_exits_3(
+    argv: list[str], refusing_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"redis://app:{PASSWORD}@127.0.0.1:{refusing_port}/0"
+    assert main(["limit", "db", *argv, "--url", url]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"aiosem limit: error: Redis at redis://app:***@127.0.0.1:{refusing_port}/0 is unreachable")
+    assert PASSWORD not in line
+
+
+def test_a_step_lock_that_stays_busy_is_one_line_and_exits_3(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the locked step raises once its lock stayed busy for a whole lease: a 10 s wait, spared.
+    async def busy(self: AsyncLockedSemaphore, limit: int | None) -> int | None:
+        raise SemaphoreError(f"the step lock of semaphore {self.name!r} stayed busy", name=self.name)
+
+    monkeypatch.setattr(AsyncLockedSemaphore, "set_limit", busy)
+    assert main(["limit", "db", "5", "--locked", "--url", redis_server.url]) == 3
+    assert capsys.readouterr().err == "aiosem limit: error: the step lock of semaphore 'db' stayed busy\n"
+
+
 # --- reset ---------------------------------------------------------------------
 
 
@@ -805,6 +973,21 @@ async def test_reset_is_confirmed_by_typing_the_name(
     assert f"its fencing counter stays (last token {permit.fencing_token})" in output
     assert "Type the name to confirm: " in output
     assert await semaphore.count() == 0
+
+
+async def test_reset_clears_a_set_limit_too_and_says_so_first(
+    real_client: redis.asyncio.Redis,
+    redis_server: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = unique("reset-set")
+    semaphore = AsyncFairSemaphore(real_client, name, None)
+    await semaphore.set_limit(5)
+    monkeypatch.setattr(sys, "stdin", Terminal(f"{name}\n"))
+    assert await cli("reset", name, "--url", redis_server.url) == 0
+    assert "deletes 0 permit(s), 0 waiter(s), the limit set (5) and its step lock" in capsys.readouterr().out
+    assert await real_client.exists(SemaphoreKeys.for_name("aiosem", name).limit) == 0
 
 
 async def test_reset_typed_with_another_name_deletes_nothing(
