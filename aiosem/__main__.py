@@ -518,6 +518,7 @@ def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -
                 "holders": [
                     {
                         "identifier": holder.identifier,
+                        "weight": holder.weight,
                         "fencing_token": holder.fencing_token,
                         "age": round(holder.age, 6),
                         "lease": holder.lease,
@@ -530,7 +531,12 @@ def _as_json(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: float) -
                 ],
                 "waiting": len(status.waiters),
                 "waiters": [
-                    {"identifier": waiter.identifier, "ticket": waiter.ticket, "place": waiter.place}
+                    {
+                        "identifier": waiter.identifier,
+                        "weight": waiter.weight,
+                        "ticket": waiter.ticket,
+                        "place": waiter.place,
+                    }
                     | _who(waiter.record)
                     for waiter in status.waiters
                 ],
@@ -581,7 +587,7 @@ def _print_tables(statuses: Sequence[SemaphoreStatus], prefix: str, timeout: flo
         if not status.exists:
             summary.add_row(Text(status.name), "not found", "", "", "", "", "")
             continue
-        expired = len(status.holders) - status.held
+        expired = sum(holder.expired for holder in status.holders)
         summary.add_row(
             Text(status.name),
             "-" if status.limit is None else _limit_text(status.limit, status.limit_set),
@@ -602,12 +608,13 @@ def _print_holders_and_waiters(console: Console, status: SemaphoreStatus) -> Non
 
     if status.holders:
         holders = Table(title=Text(f"holders of {status.name!r}"))
-        for column in ("fencing token", "identifier", "host", "pid", "label", "age", "lease", "remaining"):
+        for column in ("fencing token", "identifier", "weight", "host", "pid", "label", "age", "lease", "remaining"):
             holders.add_column(column, justify="right" if column in _NUMERIC else "left")
         for holder in status.holders:
             holders.add_row(
                 str(holder.fencing_token),
                 Text(holder.identifier),
+                str(holder.weight),
                 *_who_cells(holder.record),
                 f"{holder.age:.3f} s",
                 f"{holder.lease:g} s" if holder.record is not None else f"{holder.lease:g} s *",
@@ -617,15 +624,15 @@ def _print_holders_and_waiters(console: Console, status: SemaphoreStatus) -> Non
         console.print(holders)
     if status.waiters:
         waiters = Table(title=Text(f"waiters of {status.name!r}, in queue order"))
-        for column in ("place", "identifier", "host", "pid", "label"):
+        for column in ("place", "identifier", "weight", "host", "pid", "label"):
             waiters.add_column(column, justify="right" if column in _NUMERIC else "left")
         for waiter in status.waiters:
-            waiters.add_row(str(waiter.place), Text(waiter.identifier), *_who_cells(waiter.record))
+            waiters.add_row(str(waiter.place), Text(waiter.identifier), str(waiter.weight), *_who_cells(waiter.record))
         console.print(waiters)
 
 
 #: The columns of the holders' and waiters' tables that are right-justified.
-_NUMERIC: Final = frozenset(("fencing token", "pid", "age", "lease", "remaining", "place"))
+_NUMERIC: Final = frozenset(("fencing token", "weight", "pid", "age", "lease", "remaining", "place"))
 
 
 def _who_cells(record: Record | None) -> tuple[Text, str, Text]:

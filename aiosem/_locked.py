@@ -91,7 +91,7 @@ class AsyncLockedSemaphore(_Semaphore):
         name: The semaphore's name: any non-empty string.
         limit: How many permits may be held at once (at least 1), unless
             a limit set with `set_limit` is in force; ``None`` takes the
-            limit in force in Redis (see the live limits page).
+            limit in force in Redis (see `set_limit`).
 
     Raises:
         TypeError: An argument has the wrong type (the message names it).

@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Final
 
 from ._connection import scored, text, transaction
-from ._keys import Record, SemaphoreKeys, decode_limit, decode_record, escape_name
+from ._keys import Record, SemaphoreKeys, decode_limit, decode_record, escape_name, weight_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -70,6 +70,11 @@ class Holder:
         """Whether the lease ran out."""
         return self.remaining <= 0
 
+    @property
+    def weight(self) -> int:
+        """What the permit counts for against the limit (1 unless acquired with a weight)."""
+        return weight_of(self.identifier)
+
 
 @dataclass(frozen=True, slots=True)
 class Waiter:
@@ -86,6 +91,11 @@ class Waiter:
     ticket: int
     place: int
     record: Record | None
+
+    @property
+    def weight(self) -> int:
+        """What the permit it waits for will count for against the limit."""
+        return weight_of(self.identifier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +138,8 @@ class SemaphoreStatus:
 
     @property
     def held(self) -> int:
-        """How many permits are held: those whose lease has not run out."""
-        return sum(not holder.expired for holder in self.holders)
+        """The weight held, to compare with the limit: of the live permits (lease not run out), each at its weight."""
+        return sum(holder.weight for holder in self.holders if not holder.expired)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +317,16 @@ async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetR
         redis.RedisError: Redis failed or could not be reached.
     """
     keys = SemaphoreKeys.for_name(prefix, name)
-    doomed = [keys.timeout_set, keys.owner_set, keys.queue, keys.waiters, keys.limit, keys.holders, keys.lock]
+    doomed = [
+        keys.timeout_set,
+        keys.owner_set,
+        keys.queue,
+        keys.waiters,
+        keys.limit,
+        keys.holders,
+        keys.weights,
+        keys.lock,
+    ]
     if rate:
         doomed.append(keys.rate)
     existing, holders, waiters, counter, _ = await transaction(
