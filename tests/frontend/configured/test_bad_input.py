@@ -330,10 +330,11 @@ def limit_refusal(limit: object, *, none_means_configured: bool) -> tuple[type[E
     return None
 
 
-#: Where a limit is given, whether ``None`` there means "the configured one", and the message's prefix.
+#: Where a limit is given, whether ``None`` there is taken (the configured one, else the one in force in
+#: Redis; a semaphore's: the one in force in Redis), and the message's prefix.
 LIMIT_ENTRIES: dict[str, tuple[Callable[[redis.asyncio.Redis, Any], object], bool, str]] = {
-    "AsyncFairSemaphore": (lambda client, limit: AsyncFairSemaphore(client, "x", limit), False, ""),
-    "AsyncLockedSemaphore": (lambda client, limit: AsyncLockedSemaphore(client, "x", limit), False, ""),
+    "AsyncFairSemaphore": (lambda client, limit: AsyncFairSemaphore(client, "x", limit), True, ""),
+    "AsyncLockedSemaphore": (lambda client, limit: AsyncLockedSemaphore(client, "x", limit), True, ""),
     "limiter": (lambda _, limit: limiter("x", limit), True, ""),
     "limit_concurrency": (lambda _, limit: limit_concurrency("x", limit), True, ""),
     "configure(limits=)": (lambda _, limit: aiosem.configure(limits={"x": limit}), False, re.escape("limits['x']: ")),
