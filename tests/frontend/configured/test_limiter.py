@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import anyio
@@ -69,17 +70,20 @@ async def test_the_given_limit_wins_over_the_configured_one_which_wins_over_a_de
     assert sorted(entry.cached.limit for entry in state().idle.values()) == [3, 4]
 
 
+#: What a limiter given, configured and declared no limit says when Redis has none in force either.
+NO_LIMIT_FOR_API = (
+    r"^no limit for semaphore 'api': none was given, configured or declared, and none is in force in Redis; "
+    r"pass limit=, or set one with `python -m aiosem limit api N`$"
+)
+
+
 @pytest.mark.usefixtures("backend")
 async def test_a_limiter_with_no_limit_anywhere_says_how_to_give_one() -> None:
-    with pytest.raises(
-        LookupError,
-        match=(
-            r"no limit for semaphore 'api': pass limit=, set one with aiosem.configure\(limits=\{'api': \.\.\.\}\), "
-            r"or decorate a function with @limit_concurrency\('api', \.\.\.\) first"
-        ),
-    ):
+    # Nothing given, configured or declared: Redis is asked, on entering, and has none either.
+    with pytest.raises(aiosem.LimitNotSet, match=NO_LIMIT_FOR_API) as caught:
         async with limiter("api"):
             pass  # pragma: no cover -- never entered
+    assert isinstance(caught.value, LookupError)  # as a limiter with no limit anywhere always raised
 
 
 @pytest.mark.usefixtures("backend")
@@ -90,9 +94,11 @@ async def test_decorators_declaring_different_limits_leave_a_limiter_without_one
     @limit_concurrency("api", 6)
     async def second() -> None: ...
 
-    with pytest.raises(LookupError, match=r"decorators declare it with different limits \[5, 6\]"):
+    # Ambiguous, and said so at once: Redis is not asked.
+    with pytest.raises(LookupError, match=r"decorators declare it with different limits \[5, 6\]") as caught:
         async with limiter("api"):
             pass  # pragma: no cover -- never entered
+    assert not isinstance(caught.value, aiosem.LimitNotSet)
 
 
 @pytest.mark.usefixtures("backend")
@@ -101,9 +107,55 @@ async def test_a_per_key_decorator_declares_no_limit() -> None:
     async def fetch(host: str) -> None: ...
 
     await fetch("api")
-    with pytest.raises(LookupError, match="no limit for semaphore 'api'"):
+    # Its 5 was the decorator's own: a limiter of the name finds none, in this process or in Redis
+    # (the decorator's permit is back, the semaphore idle, its brought limit gone).
+    with pytest.raises(aiosem.LimitNotSet, match=NO_LIMIT_FOR_API):
         async with limiter("api"):
             pass  # pragma: no cover -- never entered
+
+
+async def test_a_limiter_with_no_limit_takes_the_one_set_in_redis(backend: redis.asyncio.Redis) -> None:
+    assert await AsyncFairSemaphore(backend, "api", None).set_limit(2) is None
+    gate = Gate(expected=2)
+
+    async def call() -> None:
+        async with limiter("api"):
+            await gate.pass_through()
+
+    calls = [asyncio.create_task(call()) for _ in range(2)]
+    with anyio.fail_after(5):
+        await gate.arrived.wait()
+    # Both inside: the set limit, 2, is reached; a third is refused.
+    assert await AsyncFairSemaphore(backend, "api", None).acquire(blocking=False) is None
+    gate.open.set()
+    with anyio.fail_after(5):
+        await asyncio.gather(*calls)
+    (entry,) = state().idle.values()
+    assert entry.cached.limit == 2
+
+
+async def test_a_limit_set_in_redis_wins_over_the_given_one(backend: redis.asyncio.Redis) -> None:
+    async with limiter("api", 1) as permit:
+        assert await AsyncFairSemaphore(backend, "api", None).set_limit(3) == 1
+        # Under its own 1 this limiter would wait; under the set 3 it is let in twice more.
+        async with limiter("api", 1, blocking_timeout=5), limiter("api", 1, blocking_timeout=5):
+            assert permit.name == "api"
+    # Each limiter's semaphore reports the limit in force, not the one it was given.
+    assert {entry.cached.limit for entry in state().idle.values()} == {3}
+
+
+async def test_a_decorator_with_no_limit_takes_the_one_set_in_redis(backend: redis.asyncio.Redis) -> None:
+    assert await AsyncFairSemaphore(backend, "api", None).set_limit(1) is None
+
+    @limit_concurrency("api", blocking_timeout=0.1)
+    async def call_api() -> int:
+        return await held(backend, "api")
+
+    assert await call_api() == 1
+    async with limiter("api"):
+        # The one permit the set limit allows is taken: the decorated call times out.
+        with pytest.raises(AcquireTimeout):
+            await call_api()
 
 
 @pytest.mark.parametrize(
