@@ -105,6 +105,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_failover.py", "--json", "benchmarks/results/failover.json")
     session.run("python", "benchmarks/bench_peers.py", "--json", "benchmarks/results/peers.json")
     session.run("python", "benchmarks/bench_scaling.py", "--json", "benchmarks/results/scaling.json")
+    session.run("python", "benchmarks/bench_live_limit.py", "--json", "benchmarks/results/live_limit.json")
     session.run("python", "benchmarks/plots.py")
 
 
