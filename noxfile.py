@@ -95,7 +95,8 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling."""
+    """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling,
+    live limits and weights."""
     session.install("-e", ".", "--group", "bench")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
@@ -106,6 +107,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_peers.py", "--json", "benchmarks/results/peers.json")
     session.run("python", "benchmarks/bench_scaling.py", "--json", "benchmarks/results/scaling.json")
     session.run("python", "benchmarks/bench_live_limit.py", "--json", "benchmarks/results/live_limit.json")
+    session.run("python", "benchmarks/bench_weights.py", "--json", "benchmarks/results/weights.json")
     session.run("python", "benchmarks/plots.py")
 
 

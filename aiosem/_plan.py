@@ -182,6 +182,7 @@ class _Draft:
         "refreshed_holders",
         "refreshed_waiters",
         "refusal",
+        "served_first",
         "spared",
         "state",
         "stored_limit",
@@ -200,6 +201,8 @@ class _Draft:
         self.limit = state.stored_limit if state.stored_limit is not None else state.limit
         #: What every acquire of the step answers, unless it holds or waits already.
         self.refusal: int | None = None
+        #: As the scripts' state.served_first: whether a waiter that could be served is queued.
+        self.served_first = False
         self.waiters_written = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
@@ -289,24 +292,25 @@ class _Draft:
         self.alive.difference_update(members)
         self.writes += [("ZREM", self.state.keys.queue, *members), ("ZREM", self.state.keys.waiters, *members)]
 
-    def fitting_heads(self, free: int) -> list[bytes]:
-        """As the scripts' aiosem_heads: the waiters ``free`` weight goes to, in queue order.
+    def fitting_heads(self, free: int) -> tuple[list[bytes], bool]:
+        """As the scripts' aiosem_heads: who ``free`` weight goes to, and whether a servable waiter is left.
 
-        Only as far as the queue was read: past it, a head passed over for
-        being heavier than the limit would be followed by waiters not read.
+        The waiters come in queue order. Only as far as the queue was read: past it, a head passed over for
+        being heavier than the limit would be followed by waiters not read,
+        presumed to be servable.
         """
         heads: list[bytes] = []
         for member in self.heads:
-            if free <= 0:
-                break
             weight = weight_of(member)
             if self.limit is not None and weight > self.limit:
                 continue
             if weight > free:
-                break
+                return heads, True
             heads.append(member)
             free -= weight
-        return heads
+            if free == 0:
+                return heads, True
+        return heads, len(self.heads) < self.queue_size
 
     def hand_off(self) -> None:
         """As the scripts' aiosem_hand_off: free weight to the queue's head, another process's for a waiter TTL."""
@@ -314,8 +318,9 @@ class _Draft:
         free = self.freed if self.limit is None else self.limit - self.held
         self.freed = 0
         if free <= 0 or self.queue_size == 0:
+            self.served_first = self.queue_size > 0
             return
-        heads = self.fitting_heads(free)
+        heads, self.served_first = self.fitting_heads(free)
         self.heads = [member for member in self.heads if member not in heads]
         messages: dict[str, list[str]] = {}
         for member in heads:
@@ -334,13 +339,15 @@ class _Draft:
             self.writes.append((state.publish, state.keys.channels + owner, "".join(grants)))
 
     def set_limit(self, member: bytes) -> int:
-        """As fair_acquire's set_limit: a limit in force from now on, or ``b''`` to clear a set one; the one before."""
-        before = self.limit or 0
+        """As fair_acquire's set_limit: a limit in force from now on (``b""``: clear one set); the one stored before."""
+        before = self.stored_limit or 0
         keys = self.state.keys
         if not member:
             if self.limit_set:
-                self.writes.append(("DEL", keys.limit))
-                self.stored_limit, self.limit_set, self.limit = None, False, self.state.limit
+                # As if its users had brought it: in force while anybody holds or waits.
+                assert self.stored_limit is not None  # noqa: S101 -- a limit set is stored
+                self.writes.append(("SET", keys.limit, self.stored_limit))
+                self.limit_set = False
         else:
             self.stored_limit = self.limit = int(member)
             self.limit_set = True
@@ -389,13 +396,14 @@ class _Draft:
         weight = weight_of(member)
         if weight > self.limit:
             return TOO_HEAVY
-        if self.queue_size == 0 and self.held + weight <= self.limit:
+        if not self.served_first and self.held + weight <= self.limit:
             token = self.grant(member, now)
             self.enter(member)
             return token
         if step is not Step.WAIT:
             return REFUSED
         self.queue_size += 1
+        self.served_first = True
         self.queued.add(member)
         self.alive.add(member)
         self.waiters_written = True

@@ -50,7 +50,7 @@ class Step(enum.Enum):
     permits to the head of the queue.
     """
 
-    #: Grant to each identifier if a permit is free and nobody is queued; refuse otherwise.
+    #: Grant to each identifier if its weight is free and nobody who could be served is queued; refuse otherwise.
     TRY = (Operation.ACQUIRE, "try")
     #: Grant, or else queue, each identifier; prove one already queued alive.
     WAIT = (Operation.ACQUIRE, "wait")

@@ -202,7 +202,8 @@ class _Semaphore:
 
         A waiter joins a queue in Redis shared by every process; permits go
         to the queue in arrival order, and a non-blocking call never takes
-        one while anybody is queued. When a permit frees, the step that frees
+        one while anybody is queued (but for waiters heavier than the limit
+        in force, which cannot be served: see ``weight``). When a permit frees, the step that frees
         it hands it to the head of the queue at once; the waiter's process
         hears of it by pub/sub (or at the latest at its next re-check), and
         returns it. A permit handed over by another process starts with a

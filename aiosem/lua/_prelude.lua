@@ -339,6 +339,8 @@ end
 -- its weight fits in what is left. A head that does not fit holds back the
 -- waiters behind it (none of them starves); one heavier than the limit in
 -- force, which can never fit until the limit is raised, is passed over.
+-- Also answers whether a waiter that could be served is left queued (when
+-- the free weight ran out first, it may be).
 local function aiosem_heads(free, state)
   local heads, offset = {}, 0
   while free > 0 do
@@ -347,21 +349,21 @@ local function aiosem_heads(free, state)
       local weight = aiosem_weight(identifier)
       if not state.limit or weight <= state.limit then
         if weight > free then
-          return heads
+          return heads, true
         end
         heads[#heads + 1] = identifier
         free = free - weight
         if free == 0 then
-          return heads
+          return heads, true
         end
       end
     end
     if #batch == 0 then
-      return heads
+      return heads, false
     end
     offset = offset + #batch
   end
-  return heads
+  return heads, true
 end
 
 -- Grant `free` weight to the longest-waiting waiters (see aiosem_heads),
@@ -370,12 +372,16 @@ end
 -- reply). A permit handed to another process's waiter lasts only a waiter
 -- TTL until that process claims it with a refresh: a waiter that died while
 -- queued never holds the line for a whole lease.
+-- Notes in state.served_first whether a waiter that could be served is left
+-- queued: a newcomer must not be granted ahead of it.
 local function aiosem_hand_off(free, state, granted, relayed)
   if free <= 0 or state.queued == 0 then
+    state.served_first = state.queued > 0
     return
   end
   local now, lease, waiter_ttl = state.now, state.lease, state.waiter_ttl
-  local heads = aiosem_heads(free, state)
+  local heads
+  heads, state.served_first = aiosem_heads(free, state)
   if #heads == 0 then
     return
   end
@@ -484,8 +490,9 @@ end
 -- by the operation, which matter when the limit is unknown), `holders` (the
 -- weight held) and `queued` (the waiters), which every write keeps up to date,
 -- `waiters_written`, which an operation sets when it queues a waiter or
--- proves one alive, and `limit_changed`, which it sets when it changes the
--- limit in force: what is free then goes to the queue after it, too.
+-- proves one alive, `limit_changed`, which it sets when it changes the
+-- limit in force: what is free then goes to the queue after it, too, and
+-- `served_first` (see aiosem_hand_off).
 local function aiosem_run(operation, hand_off_first)
   local state = {
     now = aiosem_now(ARGV[1]),

@@ -11,11 +11,12 @@
 -- MODE_COUNT (no identifiers): only reap and hand off, for the header.
 -- MODE_LIMIT: the "identifiers" are limits, set in order: each is in force
 -- for every caller from then on, whatever limit it brings, until one that
--- is '' clears it (the next caller's limit is stored then, as on an idle
--- semaphore). Raising the limit hands the new permits to the queue in the
--- same step; lowering it takes nothing back, and no permit is granted
--- until fewer than the new limit are held. Each result is the limit in
--- force before it (0: none).
+-- is '' clears it: the limit set is then as if its users had brought it,
+-- in force while anybody holds or waits, and the next caller's once idle.
+-- Raising the limit hands the new permits to the queue in the same step;
+-- lowering it takes nothing back, and no permit is granted until fewer
+-- than the new limit are held. Each result is the limit stored before it,
+-- set or brought (0: none).
 -- Returns the prelude's reply; the results, per identifier: the fencing
 -- token if granted; QUEUED if queued; REFUSED if refused; TOMBSTONED if the
 -- identifier was cancelled before this call arrived (its tombstone, having
@@ -23,8 +24,9 @@
 -- another limit, which the caller brought (see LIMIT); NO_LIMIT if the
 -- caller brought none and none is stored; TOO_HEAVY if the identifier weighs
 -- more than the limit in force: nothing is granted or queued then.
--- A permit is granted straight away if nobody is queued and its weight fits
--- in what the holders leave of the limit.
+-- A permit is granted straight away if its weight fits in what the holders
+-- leave of the limit, and nobody who could be served is queued (a waiter
+-- heavier than the limit in force cannot).
 -- Queued waiters are served first, so a newcomer never jumps the queue. An
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
@@ -51,7 +53,7 @@ local function acquire(identifier, state, refusal)
   if weight > state.limit then
     return TOO_HEAVY
   end
-  if state.queued == 0 and state.holders + weight <= state.limit then
+  if not state.served_first and state.holders + weight <= state.limit then
     token = aiosem_next_token(state.now)
     aiosem_hold(identifier, token, state.now, state)
     aiosem_enter(identifier, state)
@@ -64,16 +66,17 @@ local function acquire(identifier, state, refusal)
   redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
   aiosem_enter(identifier, state)
   state.queued = state.queued + 1
+  state.served_first = true
   state.waiters_written = true
   return QUEUED
 end
 
 local function set_limit(value, state)
-  local before = state.limit or 0
+  local before = state.stored or 0
   if value == '' then
     if state.set then
-      redis.call('DEL', LIMIT)
-      state.stored, state.set, state.limit = nil, false, state.caller_limit
+      redis.call('SET', LIMIT, state.stored)
+      state.set = false
     end
   else
     state.stored, state.set, state.limit = tonumber(value), true, tonumber(value)

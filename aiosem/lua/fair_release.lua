@@ -64,8 +64,14 @@ local function pass(successor, token, released, state)
   end
   -- The successor takes the permit its holder released -- or, the holder's
   -- gone, one that is free -- as the head of the queue, which a run's next
-  -- waiter is: it stays queued, in its place, until a pass reaches it.
-  if released == 0 and not (state.limit and state.holders + aiosem_weight(successor) <= state.limit) then
+  -- waiter is: it stays queued, in its place, until a pass reaches it. It
+  -- must fit under the limit in force, which may have been lowered since
+  -- the run was formed; with no limit known, only in a permit released.
+  if state.limit then
+    if state.holders + aiosem_weight(successor) > state.limit then
+      return 0
+    end
+  elseif released == 0 then
     return 0
   end
   if redis.call('ZRANGE', QUEUE, 0, 0)[1] ~= successor then

@@ -72,7 +72,8 @@ def pool(caller: str) -> list[str]:
 
     Two of them weigh more than 1 (see `WEIGHTED`).
     """
-    return [f"{caller}.a", f"{caller}.b", f"{caller}.c*2", f"{OTHER}.a", f"{OTHER}.b*3", f"{THIRD}.a", "book-1", "book-2"]
+    mine = [f"{caller}.a", f"{caller}.b", f"{caller}.c*2"]
+    return [*mine, f"{OTHER}.a", f"{OTHER}.b*3", f"{THIRD}.a", "book-1", "book-2"]
 
 
 #: The indices of the pool's identifiers that weigh more than 1.
@@ -321,6 +322,16 @@ def spared(leases: dict[bytes, float], before: State, *, now: float, lease: floa
     return False
 
 
+#: What an acquire's code (or a refresh's QUEUED) tells the statistics.
+CODES: Final = {
+    TOMBSTONED: "a late acquire met its tombstone",
+    LIMIT_MISMATCH: "a limit mismatch",
+    NO_LIMIT: "no limit brought, none in force",
+    TOO_HEAVY: "a permit heavier than the limit refused",
+    QUEUED: "queued, or proven alive",
+}
+
+
 def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: float, lease: float) -> Iterator[str]:
     """What the step did that the statistics should count, from the state before it and its reply."""
 
@@ -346,23 +357,20 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
             yield "a refresh of a lease"
     if f":receipt:{op.call}" in before:
         yield "a release tried again under its call id"
-    for value in reply.values:
-        if value == TOMBSTONED:
-            yield "a late acquire met its tombstone"
-        elif value == LIMIT_MISMATCH:
-            yield "a limit mismatch"
-        elif value == NO_LIMIT:
-            yield "no limit brought, none in force"
-        elif value == TOO_HEAVY:
-            yield "a permit heavier than the limit refused"
-        elif value == QUEUED:
-            yield "queued, or proven alive"
+    yield from (CODES[value] for value in reply.values if value in CODES)
     if reply.granted:
         yield "a hand-off"
     if any(weight_of(identifier) > 1 for identifier, _ in reply.granted) or any(
         value > 0 and weight_of(identifier) > 1 for identifier, value in zip(identifiers, reply.values, strict=True)
     ):
         yield "a weighted permit granted"
+
+
+def step_arguments(op: Op, ids: list[str]) -> list[str]:
+    """What a step is sent: the identifiers it names -- or, for a limit step, its limits ('' clears)."""
+    if op.step is Step.LIMIT:
+        return [str(value) if value else "" for value in op.members]
+    return [ids[index] for index in op.members]
 
 
 # --- the test ------------------------------------------------------------------------------
@@ -420,10 +428,7 @@ async def run_side_by_side(server: RedisServer, seed: Seed, steps: list[Op]) -> 
         handed: set[str] = set()
         for op in steps:
             clock.advance(op.advance)
-            if op.step is Step.LIMIT:
-                identifiers = [str(value) if value else "" for value in op.members]
-            else:
-                identifiers = [ids[index] for index in op.members]
+            identifiers = step_arguments(op, ids)
             note(f"at +{clock.now - START:.6f}: {op.step.name} {identifiers} call={op.call!r}")
             started = time.monotonic()
             by_script = await fair_step(

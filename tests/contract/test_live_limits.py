@@ -253,11 +253,6 @@ async def test_setting_the_limit_in_force_again_changes_nothing(
     assert not waiter.done()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="set_limit answers the caller's own constructor limit when Redis has none in force (fair_acquire.lua "
-    "set_limit: `before = state.limit or 0`, state.limit falling back to ARGV[3]; _plan.set_limit alike)",
-)
 async def test_setting_a_limit_where_none_is_in_force_answers_none_whatever_the_object_was_made_with(
     processes: Process,
 ) -> None:
@@ -352,19 +347,26 @@ async def test_clearing_an_idle_semaphores_limit_gives_the_next_acquire_its_own(
     assert await client_admin.exists(KEYS.limit) == 0  # brought: gone once idle, as before
 
 
-async def test_once_cleared_a_disagreeing_constructor_gets_a_mismatch_again(
+async def test_a_limit_cleared_while_in_use_stays_in_force_as_if_brought_until_idle(
     processes: Process, client_admin: redis.asyncio.Redis
 ) -> None:
     five, two = processes(5), processes(2)
     assert await processes(None).set_limit(3) is None
-    await take(five, 1)
-    await take(two, 1)  # no mismatch while the limit is set
+    held = [*await take(five, 1), *await take(two, 1)]  # no mismatch while the limit is set
     assert await processes(None).set_limit(None) == 3
+    assert await in_redis(client_admin) == (2, 0, b"3")
+    # Brought now: every constructor that disagrees is told, as between deployments.
+    with pytest.raises(LimitMismatch, match=r"semaphore 'db' is in use with limit 3; this client asked for 5"):
+        await five.acquire(blocking=False)
+    with pytest.raises(LimitMismatch, match=r"semaphore 'db' is in use with limit 3; this client asked for 2"):
+        await two.acquire(blocking=False)
+    assert await five.release(held[0])
+    assert await two.release(held[1])
+    assert await client_admin.exists(KEYS.limit) == 0  # idle: gone, as a limit brought goes
     await take(five, 1)  # the first acquire since brings its limit, and stores it
     assert await client_admin.get(KEYS.limit) == b"5"
     with pytest.raises(LimitMismatch, match=r"semaphore 'db' is in use with limit 5; this client asked for 2"):
         await two.acquire(blocking=False)
-    assert await in_redis(client_admin) == (3, 0, b"5")
 
 
 async def test_clearing_when_no_limit_is_set_changes_nothing(
@@ -583,14 +585,9 @@ async def test_clearing_a_set_limit_through_an_object_without_a_limit_grants_nob
     await take(one, 1)
     await line(one, 1)
     assert await processes(None).set_limit(None) == 1
-    assert await in_redis(client_admin) == (1, 1, None)
+    assert await in_redis(client_admin) == (1, 1, b"1")  # as if its users had brought it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the clearing step hands off under the clearer's constructor limit (fair_acquire.lua set_limit: "
-    "state.limit = state.caller_limit, then limit_changed hands off), though nothing is stored or in force",
-)
 async def test_clearing_a_set_limit_grants_nobody_whatever_the_clearing_object_was_made_with(
     processes: Process, line: Line, client_admin: redis.asyncio.Redis
 ) -> None:
@@ -602,4 +599,4 @@ async def test_clearing_a_set_limit_grants_nobody_whatever_the_clearing_object_w
     # An object made with 10 clears the limit: it brings 10 but acquires nothing, so stores nothing;
     # an operator made without a limit, clearing the same way, grants nobody.
     assert await processes(10).set_limit(None) == 1
-    assert await in_redis(client_admin) == (1, 2, None)
+    assert await in_redis(client_admin) == (1, 2, b"1")  # as if its users had brought it

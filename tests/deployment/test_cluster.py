@@ -83,6 +83,28 @@ async def test_a_waiter_of_another_client_is_woken_by_sharded_pub_sub(
         assert await waiter.release(handed)
 
 
+async def test_a_weighted_waiter_of_another_client_is_woken_by_a_raised_limit(
+    redis_cluster: RedisClusterGroup, cls: Semaphore
+) -> None:
+    # As above: only the raise's own step, and its message, can grant within 5 s.
+    name = unique("weighted")
+    async with two_processes(redis_cluster.client, cls, name, 4, timeout=60, waiter_timeout=60) as pair:
+        holder, waiter = pair
+        permit = await holder.acquire(weight=3)
+        assert permit is not None
+        waiting = asyncio.create_task(waiter.acquire(weight=3, blocking_timeout=30))
+        await until_queued(holder)
+        assert await holder.set_limit(6) == 4
+        with anyio.fail_after(5):
+            handed = await waiting
+        assert handed is not None
+        assert handed.weight == 3
+        assert await holder.count() == 6
+        assert await waiter.release(handed)
+        assert await holder.release(permit)
+        assert await holder.set_limit(None) == 6
+
+
 async def test_a_semaphore_keeps_working_while_its_slot_moves_to_another_node(
     redis_cluster: RedisClusterGroup, cls: Semaphore
 ) -> None:

@@ -86,6 +86,28 @@ async def test_a_permit_handed_over_is_on_the_replica_when_the_waiter_returns(
         assert await waiter.release(handed)
 
 
+async def test_a_weighted_permit_granted_by_a_raised_limit_is_on_the_replica_when_the_waiter_returns(
+    fresh_redis_server: RedisServer, replica: redis.asyncio.Redis, cls: Semaphore
+) -> None:
+    async with two_processes(fresh_redis_server.client, cls, "db", 4, replicas=1) as (holder, waiter):
+        permit = await holder.acquire(weight=3)
+        assert permit is not None
+        waiting = asyncio.create_task(waiter.acquire(weight=2, blocking_timeout=20))
+        await until_queued(holder)
+        assert await holder.set_limit(5) == 4
+        with anyio.fail_after(10):
+            handed = await waiting
+        assert handed is not None
+        assert handed.weight == 2
+        # The weight, the grant and the limit set reached the replica before the waiter returned.
+        assert await replica.zscore(f"{handed.key}:owner", handed.identifier) == handed.fencing_token
+        assert await replica.zscore(f"{handed.key}:weights", handed.identifier) == 2
+        assert await replica.get(f"{handed.key}:limit") == b"=5"
+        assert await waiter.release(handed)
+        assert await holder.release(permit)
+        assert await holder.set_limit(None) == 5
+
+
 async def test_without_the_replicas_an_acquire_raises_and_takes_nothing(
     real_client: redis.asyncio.Redis, cls: Semaphore
 ) -> None:

@@ -184,7 +184,10 @@ class Load:
 
     def __init__(self, semaphores: Sequence[Semaphore], *, hold: float) -> None:
         self.semaphores = semaphores
-        self.limit = semaphores[0].limit
+        limit = semaphores[0].limit
+        if limit is None:
+            raise ValueError("a Load needs semaphores made with a limit: it counts against it")
+        self.limit = limit
         self.hold = hold
         #: Every attempt, in the order they began.
         self.attempts: list[Attempt] = []
