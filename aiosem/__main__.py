@@ -667,29 +667,32 @@ def _limit(args: argparse.Namespace) -> int:
         return 0
     kind = AsyncLockedSemaphore if args.locked else AsyncFairSemaphore
 
-    async def step(client: Client) -> tuple[int | None, SemaphoreStatistics]:
+    async def step(client: Client) -> tuple[bool, int | None, SemaphoreStatistics]:
+        # Whether a limit was set, for the message only: the step itself decides.
+        was_set = args.clear and (await read_status(client, args.prefix, args.name, _DEFAULT_TIMEOUT)).limit_set
         # Made without a limit: it brings none, so it neither stores one nor meets a mismatch.
         semaphore = kind(client, args.name, None, prefix=args.prefix)
         try:
             before = await semaphore.set_limit(args.limit)
-            return before, semaphore.statistics()
+            return was_set, before, semaphore.statistics()
         finally:
             await semaphore.aclose()
 
     try:
-        before, after = _on_redis(url, step)
+        was_set, before, after = _on_redis(url, step)
     except SemaphoreError as error:  # Redis's own errors became a _Refusal: here, a step lock that stayed busy
         raise _Refusal(_describe(error, url), _EXIT_REDIS) from None
     if args.limit is not None:
         was = "none" if before is None else before
         print(f"{name}: limit {args.limit} (was {was}); {after.holders} held, {after.waiting} waiting")
-    elif after.limit is not None:
-        # Only a set limit is cleared; one its users brought stays as long as they hold or wait.
-        print(f"{name}: no limit was set; limit {after.limit}, brought by its users, stays while they hold or wait")
-    elif before is None:
-        print(f"{name}: no limit was set; the next acquire's limit applies")
+    elif after.limit is None:
+        cleared = f"limit cleared (was {before})" if was_set else "no limit was set"
+        print(f"{name}: {cleared}; the next acquire's limit applies")
+    elif was_set:
+        # Cleared while in use: as if its users had brought it.
+        print(f"{name}: limit cleared (was {before}); it stays in force as its users' while they hold or wait")
     else:
-        print(f"{name}: limit cleared (was {before}); the next acquire's limit applies")
+        print(f"{name}: no limit was set; limit {after.limit}, brought by its users, stays while they hold or wait")
     return 0
 
 

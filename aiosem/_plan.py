@@ -418,7 +418,8 @@ class _Draft:
         keys = self.state.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
-            weight = weight_of(member)
+            # As the script: what the step counted it for, its weight if listed in :weights, else 1.
+            weight = weight_of(member) if member in self.weighted else 1
             self.freed += weight
             self.held -= weight
             self.writes += [
@@ -426,7 +427,7 @@ class _Draft:
                 ("ZREM", keys.timeout_set, member),
                 ("HDEL", keys.holders, member),
             ]
-            if weight > 1:
+            if weight_of(member) > 1:
                 self.weighted.discard(member)
                 self.writes.append(("ZREM", keys.weights, member))
             return 1
@@ -487,8 +488,11 @@ class _Draft:
             self.write_queue_ttls()
         if not self.owners and self.queue_size == 0:
             # As the scripts: a limit set outlives the idle semaphore.
-            idle = (keys.holders, keys.weights) if self.limit_set else (keys.limit, keys.holders, keys.weights)
-            self.writes.append(("DEL", *idle))
+            if self.limit_set:
+                self.writes.append(("DEL", keys.holders, keys.weights))
+            else:
+                self.writes.append(("DEL", keys.limit, keys.holders, keys.weights))
+                self.limit = state.limit
         else:
             # As the scripts' aiosem_persist_permits: no TTL on a key that
             # bears a live permit, lest volatile-* eviction take it. Only a

@@ -396,7 +396,7 @@ class _Semaphore:
         return held
 
     async def set_limit(self, limit: int | None) -> int | None:
-        """Set the limit in force for this semaphore, in every process, at once; return the one in force before.
+        """Set the limit in force for this semaphore, in every process, at once; return the one stored before.
 
         The limit is stored with the semaphore in one atomic step, and is in
         force for every object of its name -- whatever limit each was made
@@ -407,16 +407,18 @@ class _Semaphore:
         no permit is granted until fewer than the new limit are held.
         Setting the limit in force again changes nothing.
 
-        ``None`` clears a set limit: from then on, as on an idle semaphore,
-        the next acquire stores the limit its object brings, and objects
-        that bring another get `LimitMismatch` while the semaphore is in
-        use.
+        ``None`` clears a set limit: it then counts as if the objects that
+        hold or wait had brought it -- in force while anybody holds or
+        waits, objects that bring another get `LimitMismatch` -- and once
+        the semaphore is idle, the next acquire's limit applies. Clearing
+        grants nothing.
 
         Args:
             limit: The new limit (at least 1), or ``None`` to clear it.
 
         Returns:
-            The limit in force before, or ``None`` if there was none.
+            The limit stored before -- set, or brought by the objects that
+            hold or wait -- or ``None`` if there was none.
 
         Raises:
             TypeError: ``limit`` is not an int or ``None``.

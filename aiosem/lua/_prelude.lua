@@ -556,6 +556,7 @@ local function aiosem_run(operation, hand_off_first)
       redis.call('DEL', HOLDERS, WEIGHTS)
     else
       redis.call('DEL', LIMIT, HOLDERS, WEIGHTS)
+      state.limit = state.caller_limit
     end
   else
     aiosem_forget_now(state)

@@ -29,9 +29,11 @@ local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
     aiosem_forget({identifier}, state)
+    -- What the step counted it for: its weight if listed in WEIGHTS (which
+    -- eviction may have taken), else 1.
     local weight = aiosem_weight(identifier)
-    if weight > 1 then
-      redis.call('ZREM', WEIGHTS, identifier)
+    if weight > 1 and redis.call('ZREM', WEIGHTS, identifier) == 0 then
+      weight = 1
     end
     state.freed = state.freed + weight
     state.holders = state.holders - weight

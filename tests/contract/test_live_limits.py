@@ -581,7 +581,7 @@ async def test_clearing_a_set_limit_through_an_object_without_a_limit_grants_nob
     processes: Process, line: Line, client_admin: redis.asyncio.Redis
 ) -> None:
     one = processes(1)
-    assert await one.set_limit(1) == 1
+    assert await one.set_limit(1) is None  # nothing stored before
     await take(one, 1)
     await line(one, 1)
     assert await processes(None).set_limit(None) == 1
@@ -592,7 +592,7 @@ async def test_clearing_a_set_limit_grants_nobody_whatever_the_clearing_object_w
     processes: Process, line: Line, client_admin: redis.asyncio.Redis
 ) -> None:
     one = processes(1)
-    assert await one.set_limit(1) == 1
+    assert await one.set_limit(1) is None  # nothing stored before
     await take(one, 1)
     await line(one, 1)
     await line(one, 2)

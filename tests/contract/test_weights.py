@@ -680,11 +680,6 @@ async def test_a_passed_over_waiter_keeps_its_place_ahead_of_later_ones(make: Ca
     assert (await granted(heavy)).weight == 3
 
 
-@pytest.mark.xfail(
-    reason="defect: a try counts a passed-over waiter as queued, and is refused on a free semaphore"
-    " (fair_acquire.lua and _plan.py grant a try only if `queued == 0`)",
-    strict=True,
-)
 async def test_a_passed_over_waiter_does_not_make_a_try_on_a_free_semaphore_fail(
     make: Callable[..., Semaphore],
 ) -> None:

@@ -166,14 +166,15 @@ async def test_a_holder_is_shown_with_its_host_process_id_and_label(
     (holder,) = entry["holders"]
     assert (holder["host"], holder["pid"], holder["label"]) == (socket.gethostname(), os.getpid(), "billing worker")
     row = table_row(capsys.readouterr().out, permit.identifier)
-    assert row[:5] == [
+    assert row[:6] == [
         str(permit.fencing_token),
         permit.identifier,
+        "1",
         socket.gethostname(),
         str(os.getpid()),
         "billing worker",
     ]
-    assert row[6] == "10 s"
+    assert row[7] == "10 s"
 
 
 def _hold_in_forked_child(semaphore: AsyncFairSemaphore) -> None:
@@ -231,8 +232,8 @@ async def test_a_book_clients_holder_is_shown_with_the_lease_assumed(
     assert (holder["host"], holder["pid"], holder["label"]) == (None, None, None)
     assert 25 < holder["remaining"] <= 30
     output = capsys.readouterr().out
-    assert table_row(output, identifier)[2:5] == ["-", "-", "-"]
-    assert table_row(output, identifier)[6] == "30 s *"
+    assert table_row(output, identifier)[2:6] == ["1", "-", "-", "-"]
+    assert table_row(output, identifier)[7] == "30 s *"
     assert "a lease marked * is assumed (--timeout 30): its holder recorded none" in flat(output)
 
 
@@ -264,7 +265,7 @@ async def test_waiters_presumed_dead_are_not_counted(
     entry = await one_status(capsys, redis_server.url, name)
     assert entry["waiting"] == 1
     assert entry["waiters"] == [
-        {"identifier": "live.2", "ticket": 2, "place": 1, "host": None, "pid": None, "label": None}
+        {"identifier": "live.2", "weight": 1, "ticket": 2, "place": 1, "host": None, "pid": None, "label": None}
     ]
 
 
@@ -482,6 +483,7 @@ async def test_the_waiters_are_listed_in_queue_order_with_who_they_are(
         assert row == [
             str(waiter["place"]),
             waiter["identifier"],
+            "1",
             socket.gethostname(),
             str(os.getpid()),
             waiter["label"],
@@ -783,6 +785,25 @@ async def test_limit_clear_clears_a_set_limit(
     # Nothing set, nothing to clear.
     assert await cli("limit", name, "--clear", "--url", redis_server.url, *step_as(cls)) == 0
     assert capsys.readouterr().out == f"'{name}': no limit was set; the next acquire's limit applies\n"
+
+
+async def test_limit_clear_of_a_semaphore_in_use_leaves_the_limit_as_if_its_users_brought_it(
+    real_client: redis.asyncio.Redis, redis_server: RedisServer, capsys: pytest.CaptureFixture[str], cls: Semaphore
+) -> None:
+    name = unique("clear-in-use")
+    semaphore = cls(real_client, name, None)
+    assert await semaphore.set_limit(2) is None
+    permit = await semaphore.acquire()
+    assert permit is not None
+    try:
+        assert await cli("limit", name, "--clear", "--url", redis_server.url, *step_as(cls)) == 0
+        assert await real_client.get(SemaphoreKeys.for_name("aiosem", name).limit) == b"2"
+    finally:
+        await semaphore.release(permit)
+    assert capsys.readouterr().out == (
+        f"'{name}': limit cleared (was 2); it stays in force as its users' while they hold or wait\n"
+    )
+    assert await real_client.exists(SemaphoreKeys.for_name("aiosem", name).limit) == 0  # idle: gone
 
 
 async def test_limit_clear_leaves_a_limit_its_users_brought(
