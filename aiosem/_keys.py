@@ -21,7 +21,7 @@ base key as its ``semname``:
 ``prefix:{name}:tickets``         the last ticket handed to a waiter
 ``prefix:{name}:limit``           the limit in force: ``n`` brought, while in use; ``=n`` set, until cleared
 ``prefix:{name}:holders``         records: identifier -> [lease (ms), pid, host, label]
-``prefix:{name}:weights``         holders weighing more than 1: identifier -> weight
+``prefix:{name}:weight``          how much more than 1 each permit held weighs, together
 ``prefix:{name}:receipt:<id>``    what release call <id> released, while it may be retried
 ``prefix:{name}:wake:<token>``    the channel of one process's waiters
 ``lock:prefix:{name}``            the short lock of `AsyncLockedSemaphore`
@@ -167,9 +167,9 @@ class SemaphoreKeys:
         return f"{self.base}:holders"
 
     @property
-    def weights(self) -> str:
-        """The holders of permits weighing more than 1, each with its weight (see `weight_of`)."""
-        return f"{self.base}:weights"
+    def weight(self) -> str:
+        """How much more than 1 each permit held weighs (see `weight_of`), together; absent for 0."""
+        return f"{self.base}:weight"
 
     @property
     def limit(self) -> str:
@@ -203,5 +203,5 @@ class SemaphoreKeys:
             self.tickets,
             self.limit,
             self.holders,
-            self.weights,
+            self.weight,
         )

@@ -249,7 +249,7 @@ class WatchedSteps:
         window = max(limits) + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
-            ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders, keys.weights),
+            ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders, keys.weight),
             ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
             ("ZRANGE", keys.owner_set, 0, -1, "WITHSCORES"),
             ("GET", keys.counter),
@@ -267,7 +267,7 @@ class WatchedSteps:
         # What an earlier try of this call released, if its reply was lost:
         # only this call writes its receipt.
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
-        reads.append(("ZRANGE", keys.weights, 0, -1))
+        reads.append(("GET", keys.weight))
         if server_time:
             reads.append(("TIME",))
         return reads
@@ -310,7 +310,7 @@ class WatchedSteps:
             receipt_seconds=step_bound(self._core.settings.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
             record=self._core.settings.record(),
-            weights=frozenset(connection.encode(member) for member in replies[19]),
+            extra_weight=int(replies[19] or 0),
         )
 
     async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:

@@ -73,7 +73,8 @@ class ReadState:
             queues or grants a permit to straight away ('': none).
         records: The records, in ``:holders``, of the leases `past_cutoff`
             finds: the reaper spares those whose own lease is longer.
-        weights: The members of ``:weights``: the holders weighing more than 1.
+        extra_weight: ``:weight``: how much more than 1 each permit held
+            weighs, together.
     """
 
     keys: SemaphoreKeys
@@ -102,7 +103,7 @@ class ReadState:
     record: str = ""
     records: Mapping[bytes, bytes] = field(default_factory=dict)
     limit_set: bool = False
-    weights: frozenset[bytes] = frozenset()
+    extra_weight: int = 0
 
 
 def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
@@ -169,6 +170,7 @@ class _Draft:
         "alive",
         "cancelled",
         "counter",
+        "extra",
         "freed",
         "granted",
         "heads",
@@ -187,7 +189,6 @@ class _Draft:
         "state",
         "stored_limit",
         "waiters_written",
-        "weighted",
         "writes",
     )
 
@@ -225,16 +226,17 @@ class _Draft:
         dead = expired | strays
         self.leases = {member: score for member, score in state.leases.items() if member not in dead}
         self.owners = {member: int(score) for member, score in state.owners.items() if member not in dead}
-        #: As the scripts' aiosem_extra_weight: the holders listed in :weights, those that hold no more dropped.
-        self.weighted = set(state.weights)
-        extra = self._extra_weight(state.owners)
-        weighed = len(state.owners) + extra
+        #: As the scripts' state.extra: :weight, how much more than 1 each permit held weighs, together.
+        self.extra = state.extra_weight
+        weighed = len(state.owners) + self.extra
         if dead:
             self.writes += [("ZREM", keys.timeout_set, *dead), ("ZREM", keys.owner_set, *dead)]
-            if extra > 0:
-                extra = self._extra_weight(self.owners)
+        # As the scripts' reaper: the weight of permits taken goes too; with none held, none weighs.
+        taken_weighed = any(weight_of(member) > 1 for member in expired)
+        if self.extra > 0 and (taken_weighed or strays or not self.owners):
+            self._recount_weight()
         #: As the scripts' state.holders: the weight held.
-        self.held = len(self.owners) + extra
+        self.held = len(self.owners) + self.extra
         #: As the scripts' state.freed: the weight freed by the step, which goes to the queue when no limit is known.
         self.freed = weighed - self.held
         if expired:
@@ -254,13 +256,18 @@ class _Draft:
         self.alive = {member for member, until in state.alive_until.items() if until > now}
         self.cancelled = {member for member, until in state.cancelled.items() if until > now}
 
-    def _extra_weight(self, owners: Mapping[bytes, float]) -> int:
-        """As the scripts' aiosem_extra_weight, on ``owners``."""
-        gone = {member for member in self.weighted if member not in owners}
-        if gone:
-            self.weighted -= gone
-            self.writes.append(("ZREM", self.state.keys.weights, *gone))
-        return sum(weight_of(member) - 1 for member in self.weighted)
+    def _recount_weight(self) -> None:
+        """As the scripts' aiosem_recount_weight: :weight again, from the permits held."""
+        keys = self.state.keys
+        self.extra = sum(weight_of(member) - 1 for member in self.owners)
+        self.writes.append(("SET", keys.weight, self.extra) if self.extra > 0 else ("DEL", keys.weight))
+
+    def _add_weight(self, delta: int) -> None:
+        """As the scripts' aiosem_add_weight: ``delta`` added to :weight, which goes at 0."""
+        self.extra += delta
+        self.writes.append(("INCRBY", self.state.keys.weight, delta))
+        if self.extra <= 0:
+            self.writes.append(("DEL", self.state.keys.weight))
 
     def grant(self, member: bytes, stamp: float) -> int:
         """As the scripts' aiosem_hold, with the next token."""
@@ -276,8 +283,7 @@ class _Draft:
         ]
         weight = weight_of(member)
         if weight > 1:
-            self.weighted.add(member)
-            self.writes.append(("ZADD", state.keys.weights, weight, member))
+            self._add_weight(weight - 1)
         self.held += weight
         return self.counter
 
@@ -418,18 +424,17 @@ class _Draft:
         keys = self.state.keys
         if member in self.owners:
             del self.owners[member], self.leases[member]
-            # As the script: what the step counted it for, its weight if listed in :weights, else 1.
-            weight = weight_of(member) if member in self.weighted else 1
-            self.freed += weight
-            self.held -= weight
             self.writes += [
                 ("ZREM", keys.owner_set, member),
                 ("ZREM", keys.timeout_set, member),
                 ("HDEL", keys.holders, member),
             ]
-            if weight_of(member) > 1:
-                self.weighted.discard(member)
-                self.writes.append(("ZREM", keys.weights, member))
+            # As the script: it counted for 1, and for no more of :weight than there is.
+            extra = min(weight_of(member) - 1, self.extra)
+            if extra > 0:
+                self._add_weight(-extra)
+            self.freed += 1 + extra
+            self.held -= 1 + extra
             return 1
         if step is Step.CANCEL:
             if member in self.queued:
@@ -489,9 +494,9 @@ class _Draft:
         if not self.owners and self.queue_size == 0:
             # As the scripts: a limit set outlives the idle semaphore.
             if self.limit_set:
-                self.writes.append(("DEL", keys.holders, keys.weights))
+                self.writes.append(("DEL", keys.holders, keys.weight))
             else:
-                self.writes.append(("DEL", keys.limit, keys.holders, keys.weights))
+                self.writes.append(("DEL", keys.limit, keys.holders, keys.weight))
                 self.limit = state.limit
         else:
             # As the scripts' aiosem_persist_permits: no TTL on a key that

@@ -324,7 +324,7 @@ async def reset(client: Client, prefix: str, name: str, *, rate: bool) -> ResetR
         keys.waiters,
         keys.limit,
         keys.holders,
-        keys.weights,
+        keys.weight,
         keys.lock,
     ]
     if rate:

@@ -10,7 +10,9 @@ alone, not how many calls can run together:
 * ``weight 2``: limit 32, every permit weighs 2;
 * ``weights 1-4``: limit 40, the weights 1, 2, 3 and 4 in turn (2.5 on
   average: 16 held at once), so that heads that do not fit hold back the
-  queue behind them.
+  queue behind them;
+* ``weight 1, again``: the baseline once more, last: the spread between two
+  runs of the same thing, against which to read the others' ratios.
 
 Both classes are measured. On a small machine a run moves 20-40 % from the
 next, so the scenarios of one class run in turn, ``--rounds`` times, and
@@ -64,6 +66,8 @@ SCENARIOS: Final[tuple[tuple[str, int, tuple[int, ...]], ...]] = (
     ("weight 1", 16, (1,)),
     ("weight 2", 32, (2,)),
     ("weights 1-4", 40, (1, 2, 3, 4)),
+    # The baseline once more: how far two runs of the same thing are apart, on this machine, in this run.
+    ("weight 1, again", 16, (1,)),
 )
 BASELINE: Final = SCENARIOS[0][0]
 CLASSES: Final[dict[Kind, type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]]] = {

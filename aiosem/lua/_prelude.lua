@@ -27,8 +27,8 @@ local LIMIT = KEYS[8]      -- the limit in force: 'n' as a caller brought it,
                            -- a limit step, until cleared (see aiosem_stored_limit)
 local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter), while
                            -- it holds or waits
-local WEIGHTS = KEYS[10]   -- holder weighing more than 1 -> its weight (see
-                           -- aiosem_weight)
+local WEIGHT = KEYS[10]    -- how much more than 1 each permit held weighs (see
+                           -- aiosem_weight), together; absent for 0
 local RECEIPT = KEYS[11]   -- what this call released, if it is a release with
                            -- an id: one '1' or '0' per identifier
 --
@@ -223,25 +223,34 @@ local function aiosem_past(now, cutoff)
   return spared, expired
 end
 
--- How much more than 1 each the holders weigh, together. WEIGHTS lists the
--- holders weighing more (a grant writes it); a member that holds no more
--- -- reaped, evicted, or released by a book client -- is dropped from it
--- here. Costs one ZCARD while nobody weighted holds.
+-- How much more than 1 each the permits held weigh, together: WEIGHT, kept
+-- by every step that grants or takes away a weighted permit, so that a step
+-- reads it in one command.
 local function aiosem_extra_weight()
-  if redis.call('ZCARD', WEIGHTS) == 0 then
-    return 0
+  return tonumber(redis.call('GET', WEIGHT) or 0)
+end
+
+-- Add `delta` (not 0) to WEIGHT, and to state.extra, its value; a key at 0
+-- goes.
+local function aiosem_add_weight(delta, state)
+  state.extra = state.extra + delta
+  if redis.call('INCRBY', WEIGHT, delta) <= 0 then
+    redis.call('DEL', WEIGHT)
   end
-  local members = redis.call('ZRANGE', WEIGHTS, 0, -1)
-  local tokens = aiosem_each('ZMSCORE', OWNERS, members)
-  local extra, gone = 0, {}
-  for i, member in ipairs(members) do
-    if tokens[i] then
-      extra = extra + aiosem_weight(member) - 1
-    else
-      gone[#gone + 1] = member
-    end
+end
+
+-- Count WEIGHT again, from the permits held: after the reaper took a
+-- weighted permit, or eviction took permits it cannot name. Answers it.
+local function aiosem_recount_weight()
+  local extra = 0
+  for _, member in ipairs(redis.call('ZRANGE', OWNERS, 0, -1)) do
+    extra = extra + aiosem_weight(member) - 1
   end
-  aiosem_zrem_all(WEIGHTS, gone)
+  if extra > 0 then
+    redis.call('SET', WEIGHT, extra)
+  else
+    redis.call('DEL', WEIGHT)
+  end
   return extra
 end
 
@@ -251,13 +260,13 @@ local function aiosem_hold(identifier, token, stamp, state)
   redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
   local weight = aiosem_weight(identifier)
   if weight > 1 then
-    redis.call('ZADD', WEIGHTS, weight, identifier)
+    aiosem_add_weight(weight - 1, state)
   end
   state.holders = state.holders + weight
 end
 
 -- Remove every permit whose lease ran out from both sets, and return the
--- weight freed and the weight held. A book client writes the two sets
+-- weight freed and the weight held; state.extra is WEIGHT after it. A book client writes the two sets
 -- in separate steps, and eviction may take one set and not the other, so
 -- afterwards drop any member that is in one set only: an owner entry
 -- without a lease would hold a permit forever, a lease without an owner
@@ -270,20 +279,27 @@ local function aiosem_reap(state)
   local weighed = before + extra
   local spared, expired = aiosem_past(state.now, state.now - state.lease)
   state.spared = #spared.members > 0
-  local held = before
+  local held, recount = before, false
   if #expired > 0 then
     leases = leases - aiosem_zrem_counted(TIMEOUTS, expired)
     held = held - aiosem_zrem_counted(OWNERS, expired)
     aiosem_forget(expired, state)
+    for _, member in ipairs(expired) do
+      recount = recount or aiosem_weight(member) > 1
+    end
   end
   if held ~= leases or (held > 0 and redis.call('ZINTERCARD', 2, OWNERS, TIMEOUTS) ~= held) then
     redis.call('ZINTERSTORE', OWNERS, 2, OWNERS, TIMEOUTS, 'WEIGHTS', 1, 0)
     redis.call('ZINTERSTORE', TIMEOUTS, 2, TIMEOUTS, OWNERS, 'WEIGHTS', 1, 0)
     held = redis.call('ZCARD', OWNERS)
+    recount = true
   end
-  if held ~= before and extra > 0 then
-    extra = aiosem_extra_weight()
+  -- The weight of permits taken, by the reaper or by eviction, goes too;
+  -- with none held, none weighs, whatever eviction left behind.
+  if extra > 0 and (recount or held == 0) then
+    extra = aiosem_recount_weight()
   end
+  state.extra = extra
   return weighed - held - extra, held + extra
 end
 
@@ -492,7 +508,7 @@ end
 -- `waiters_written`, which an operation sets when it queues a waiter or
 -- proves one alive, `limit_changed`, which it sets when it changes the
 -- limit in force: what is free then goes to the queue after it, too, and
--- `served_first` (see aiosem_hand_off).
+-- `served_first` (see aiosem_hand_off), and `extra` (WEIGHT's value).
 local function aiosem_run(operation, hand_off_first)
   local state = {
     now = aiosem_now(ARGV[1]),
@@ -553,9 +569,9 @@ local function aiosem_run(operation, hand_off_first)
     -- Idle: whoever comes next may bring another limit, unless one was set;
     -- and no record is of anybody who holds or waits.
     if state.set then
-      redis.call('DEL', HOLDERS, WEIGHTS)
+      redis.call('DEL', HOLDERS, WEIGHT)
     else
-      redis.call('DEL', LIMIT, HOLDERS, WEIGHTS)
+      redis.call('DEL', LIMIT, HOLDERS, WEIGHT)
       state.limit = state.caller_limit
     end
   else

@@ -1,7 +1,7 @@
 -- Grant permits of a fair semaphore, or queue for them.
 --
 -- KEYS: the eleven of every fair script (see the prelude): TIMEOUTS, OWNERS,
--- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, WEIGHTS, RECEIPT
+-- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, WEIGHT, RECEIPT
 -- (unused here).
 -- ARGV: the prelude's; ARGV[3] is the caller's limit ('': the stored one),
 -- ARGV[8] the mode, ARGV[12] the record of the identifiers it queues or

@@ -29,12 +29,13 @@ local function release(identifier, state)
   if redis.call('ZREM', OWNERS, identifier) == 1 then
     redis.call('ZREM', TIMEOUTS, identifier)
     aiosem_forget({identifier}, state)
-    -- What the step counted it for: its weight if listed in WEIGHTS (which
-    -- eviction may have taken), else 1.
-    local weight = aiosem_weight(identifier)
-    if weight > 1 and redis.call('ZREM', WEIGHTS, identifier) == 0 then
-      weight = 1
+    -- It counted for 1, and for no more of WEIGHT than there is (eviction
+    -- may have taken the key).
+    local extra = math.min(aiosem_weight(identifier) - 1, state.extra)
+    if extra > 0 then
+      aiosem_add_weight(-extra, state)
     end
+    local weight = 1 + extra
     state.freed = state.freed + weight
     state.holders = state.holders - weight
     return 1

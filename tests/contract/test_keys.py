@@ -143,7 +143,7 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
         "app:{db}:tickets",
         "app:{db}:limit",
         "app:{db}:holders",
-        "app:{db}:weights",
+        "app:{db}:weight",
     )
     assert keys.channels == "app:{db}:wake:"
 

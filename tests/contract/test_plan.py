@@ -88,7 +88,7 @@ def test_a_permit_whose_own_lease_ran_out_too_is_reaped_with_its_record() -> Non
     decision = plan_step(a_permit_past_the_lease(b'[12000,42,"elsewhere",null]'), Step.COUNT, [])
     assert decision.reply.holders == 0
     assert ("HDEL", keys.holders, b"cd34.long") in decision.writes
-    assert ("DEL", keys.limit, keys.holders, keys.weights) in decision.writes
+    assert ("DEL", keys.limit, keys.holders, keys.weight) in decision.writes
 
 
 def test_a_step_records_who_it_queues_or_grants_and_nobody_else() -> None:

@@ -4,7 +4,7 @@ Both classes, on a real server and (where the `client` fixture gives it)
 on fakeredis. Each test starts from a fresh client and fresh semaphore
 objects, so that the weighted call under test is the object's first.
 What the server holds is read from Redis itself: `count` (the weight held),
-`waiting`, and the ``:owner``, ``:queue`` and ``:weights`` keys.
+`waiting`, and the ``:owner``, ``:queue`` and ``:weight`` keys.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import pytest
@@ -82,10 +82,9 @@ async def granted(task: asyncio.Task[Permit | None]) -> Permit:
     return permit
 
 
-async def weights_listed(admin: redis.asyncio.Redis, sem: Semaphore) -> dict[str, int]:
-    """What ``:weights`` lists: each holder weighing more than 1, with its weight."""
-    listed = cast("list[tuple[bytes, float]]", await admin.zrange(f"{sem.key}:weights", 0, -1, withscores=True))
-    return {member.decode(): int(score) for member, score in listed}
+async def extra_weight(admin: redis.asyncio.Redis, sem: Semaphore) -> int:
+    """What ``:weight`` holds: how much more than 1 each permit held weighs, together (0: no key)."""
+    return int(await admin.get(f"{sem.key}:weight") or 0)
 
 
 # --- a permit of weight k takes k ----------------------------------------------------------
@@ -124,7 +123,7 @@ async def test_a_permit_as_heavy_as_the_limit_holds_all_of_it(make: Callable[...
     assert await sem.acquire(weight=4, blocking=False) is not None
 
 
-async def test_the_weight_is_part_of_the_identifier_and_heavy_holders_are_listed(
+async def test_the_weight_is_part_of_the_identifier_and_what_it_adds_is_kept_in_one_key(
     make: Callable[..., Semaphore], client_admin: redis.asyncio.Redis
 ) -> None:
     sem = make(limit=5)
@@ -134,12 +133,12 @@ async def test_the_weight_is_part_of_the_identifier_and_heavy_holders_are_listed
     assert light is not None
     assert heavy.identifier.endswith("*3")
     assert "*" not in light.identifier
-    assert await weights_listed(client_admin, sem) == {heavy.identifier: 3}  # a permit of 1 is not listed
+    assert await extra_weight(client_admin, sem) == 2  # 3 - 1; a permit of 1 adds nothing
     assert await sem.release(heavy)
-    assert await weights_listed(client_admin, sem) == {}
+    assert await client_admin.exists(f"{sem.key}:weight") == 0  # at 0, the key goes
     assert await sem.count() == 1
     assert await sem.release(light)
-    assert await client_admin.exists(f"{sem.key}:weights") == 0
+    assert await client_admin.exists(f"{sem.key}:weight") == 0
 
 
 async def test_a_released_weight_is_free_again_whole(make: Callable[..., Semaphore]) -> None:
@@ -226,7 +225,7 @@ async def test_a_weight_above_the_limit_is_refused_at_once_having_taken_nothing(
         await sem.acquire(blocking, weight=4)  # refused by Redis at once, not after a wait
     assert await sem.count() == 0
     assert await sem.waiting() == 0
-    for suffix in ("", ":owner", ":queue", ":waiters", ":holders", ":weights", ":limit"):
+    for suffix in ("", ":owner", ":queue", ":waiters", ":holders", ":weight", ":limit"):
         assert await client_admin.exists(f"{sem.key}{suffix}") == 0, suffix
 
 
@@ -246,7 +245,7 @@ async def test_a_weight_above_the_limit_is_refused_while_others_hold_and_wait_le
     assert await client_admin.zrange(f"{sem.key}:owner", 0, -1) == [held.identifier.encode()]
     assert await client_admin.zrange(f"{sem.key}:queue", 0, -1) == [queued]
     assert set(await client_admin.hkeys(f"{sem.key}:holders")) == {held.identifier.encode(), queued}
-    assert await weights_listed(client_admin, sem) == {held.identifier: 3}
+    assert await extra_weight(client_admin, sem) == 2
     assert await sem.release(held)
     assert (await granted(waiter)).weight == 2
 
@@ -422,7 +421,7 @@ async def test_an_unrefreshed_heavy_permit_frees_its_whole_weight_when_its_lease
     taken = await sem.acquire(weight=4, blocking=False)
     assert taken is not None
     assert taken.fencing_token > dead.fencing_token
-    assert await weights_listed(client_admin, sem) == {taken.identifier: 4}  # the dead holder's entry dropped
+    assert await extra_weight(client_admin, sem) == 3  # the dead holder's weight went with it
 
 
 HOLDER = textwrap.dedent(
@@ -518,14 +517,14 @@ async def test_a_heavy_permit_taken_away_cancels_its_block_and_its_stray_weight_
     sem = cls(real_client, "db", 4, timeout=1.5)
     with anyio.fail_after(WAIT), pytest.raises(PermitLost) as caught:  # noqa: PT012 -- the loss comes mid-body
         async with sem(weight=3) as permit:
-            # The permit goes, as eviction or a `reset` would take it; its :weights entry stays behind.
+            # The permit goes, as eviction would take it; what it weighed stays behind in :weight.
             await admin_client.delete(sem.key, f"{sem.key}:owner")
-            assert await weights_listed(admin_client, sem) == {permit.identifier: 3}
+            assert await extra_weight(admin_client, sem) == 2
             await anyio.sleep_forever()
     assert caught.value.identifier == permit.identifier
-    whole = await sem.acquire(weight=4, blocking=False)  # the stray entry is dropped, not counted
+    whole = await sem.acquire(weight=4, blocking=False)  # with nobody holding, the stray weight goes
     assert whole is not None
-    assert await weights_listed(admin_client, sem) == {whole.identifier: 4}
+    assert await extra_weight(admin_client, sem) == 3
 
 
 # --- cancellation at every point ---------------------------------------------------------------------
@@ -552,13 +551,13 @@ async def test_a_cancelled_heavy_acquire_raises_and_leaves_nothing_wherever_it_l
             assert not contended
             assert await sem.release(outcome)
         assert (await sem.count(), await sem.waiting()) == (2 if contended else 0, 0), f"after {turns} turns"
-        listed = await weights_listed(direct, sem)
-        assert listed == ({holder.identifier: 2} if holder else {}), f"cancelled after {turns} turns"
+        extra = await extra_weight(direct, sem)
+        assert extra == (1 if holder else 0), f"cancelled after {turns} turns"
         await sem.aclose()
     if holder is not None:
         assert await holder_sem.release(holder)
     await holder_sem.aclose()
-    await assert_nothing_left(holder_sem, direct, tombstones=True)  # :weights included
+    await assert_nothing_left(holder_sem, direct, tombstones=True)  # :weight included
 
 
 async def test_a_cancelled_heavy_async_with_raises_and_leaves_nothing_wherever_it_lands(
@@ -658,7 +657,7 @@ async def test_a_waiter_heavier_than_a_lowered_limit_is_passed_over_until_the_li
     raised = await granted(heavy)
     assert raised.fencing_token > served.fencing_token
     assert await holder.count() == 4
-    assert await weights_listed(client_admin, holder) == {raised.identifier: 3}
+    assert await extra_weight(client_admin, holder) == 2
 
 
 async def test_a_passed_over_waiter_keeps_its_place_ahead_of_later_ones(make: Callable[..., Semaphore]) -> None:

@@ -228,4 +228,4 @@ async def test_random_weights_never_exceed_the_limit_and_each_process_is_served_
 
     sem = CLASSES[kind](real_client, name, LIMIT)
     assert (await sem.count(), await sem.waiting()) == (0, 0)
-    assert await admin_client.exists(keys.weights, keys.owner_set, keys.queue, keys.holders) == 0
+    assert await admin_client.exists(keys.weight, keys.owner_set, keys.queue, keys.holders) == 0
