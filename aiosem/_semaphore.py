@@ -67,7 +67,8 @@ class SemaphoreStatistics:
         name: The semaphore's name.
         limit: The limit in force, as Redis last answered this object
             (before its first step: the limit it was made with, if any).
-        holders: Permits held, as Redis last answered this object.
+        holders: The weight of the permits held (each at its weight, 1 unless
+            acquired with one), as Redis last answered this object.
         waiting: Waiters queued in all processes, as Redis last answered.
         local_waiters: Tasks of this process waiting through this object.
     """

@@ -4,8 +4,8 @@
 -- The constants named in capitals below and in the scripts -- the server's
 -- rules (TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, COUNTER_TTL_MS,
 -- EXPIRE_MARGIN_MS, EXPIRE_SLACK_MS, RUN_LENGTH), the result codes (QUEUED,
--- REFUSED, TOMBSTONED, LIMIT_MISMATCH, NO_LIMIT) and the modes (MODE_WAIT,
--- MODE_CANCEL, MODE_PASS, ...) -- are not defined here: aiosem/_scripts.py
+-- REFUSED, TOMBSTONED, LIMIT_MISMATCH, NO_LIMIT, TOO_HEAVY) and the modes
+-- (MODE_WAIT, MODE_CANCEL, MODE_PASS, ...) -- are not defined here: aiosem/_scripts.py
 -- writes them as locals above this prelude, from aiosem/_rules.py and
 -- aiosem/_protocol.py, where the Lua-free step reads them too.
 --
@@ -50,17 +50,17 @@ local RECEIPT = KEYS[11]   -- what this call released, if it is a release with
 -- ARGV[11] '1' if the caller relays a mutex through a run of its own waiters
 --         (see aiosem_relay_run), else ''
 -- ARGV[12] the caller's record of who it is (see aiosem_enter), '' for none
--- ARGV[13..] identifiers: a permit's weighs k (> 1) if it ends in '*k', else 1
+-- ARGV[13..] identifiers: one that ends in '*k' is of a permit weighing k
+--         (k > 1), any other of one weighing 1 (see aiosem_weight)
 --
 -- and every script returns {held, waiting, next_expiry_us, relayed,
 -- limit, result_1, ..., result_n, granted_id_1, token_1, ..., relayed_id_1,
--- token_1, ...}: held is the weight of the permits held, next_expiry_us is
--- how long until the earliest lease runs
--- out (-1: nobody holds), limit the limit in force (0: none), the results
--- are one per identifier, the granted pairs are
--- the waiters this call handed a permit, and the last `relayed` pairs are
--- the run of the caller's waiters that permit is relayed to (see
--- aiosem_relay_run).
+-- token_1, ...}: held is the weight of the permits held, next_expiry_us how
+-- long until the earliest lease runs out (-1: nobody holds), limit the
+-- limit in force (0: none); the results are one per identifier, the
+-- granted pairs are the waiters this call handed a permit, and the last
+-- `relayed` pairs are the run of the caller's waiters that permit is
+-- relayed to (see aiosem_relay_run).
 
 -- What a permit weighs: k if its identifier ends in '*k' with k > 1, else
 -- 1. The weight is part of the identifier so that whoever reads one -- a
@@ -266,11 +266,11 @@ local function aiosem_hold(identifier, token, stamp, state)
 end
 
 -- Remove every permit whose lease ran out from both sets, and return the
--- weight freed and the weight held; state.extra is WEIGHT after it. A book client writes the two sets
--- in separate steps, and eviction may take one set and not the other, so
--- afterwards drop any member that is in one set only: an owner entry
--- without a lease would hold a permit forever, a lease without an owner
--- entry counts for nothing. (ZINTERCARD needs Redis 7.) Notes in
+-- weight freed and the weight held (state.extra is WEIGHT after it). A book
+-- client writes the two sets in separate steps, and eviction may take one
+-- set and not the other, so afterwards drop any member that is in one set
+-- only: an owner entry without a lease would hold a permit forever, a lease
+-- without an owner entry counts for nothing. (ZINTERCARD needs Redis 7.) Notes in
 -- state.spared whether a permit past the caller's lease was spared.
 local function aiosem_reap(state)
   local before = redis.call('ZCARD', OWNERS)

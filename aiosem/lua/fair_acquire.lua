@@ -6,7 +6,8 @@
 -- ARGV: the prelude's; ARGV[3] is the caller's limit ('': the stored one),
 -- ARGV[8] the mode, ARGV[12] the record of the identifiers it queues or
 -- grants, ARGV[13..] the identifiers.
--- MODE_TRY: grant if a permit is free and nobody is queued, else refuse.
+-- MODE_TRY: grant if the identifier's weight is free and nobody who could be
+-- served is queued, else refuse.
 -- MODE_WAIT: grant as MODE_TRY does, else join the queue.
 -- MODE_COUNT (no identifiers): only reap and hand off, for the header.
 -- MODE_LIMIT: the "identifiers" are limits, set in order: each is in force
