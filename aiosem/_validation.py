@@ -82,13 +82,14 @@ def check_label(value: Any) -> str | None:
     return value
 
 
-def check_limit(value: Any) -> int:
+def check_limit(value: Any, argument: str = "limit") -> int:
+    """A count of permits -- a limit, a weight -- as the scripts count exactly: an int from 1 to 2**53."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"limit must be an int, not {type(value).__name__}")
+        raise TypeError(f"{argument} must be an int, not {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"limit must be at least 1, got {_shown(value)}")
+        raise ValueError(f"{argument} must be at least 1, got {_shown(value)}")
     if value > MOST_LIMIT:
-        raise ValueError(f"limit must be at most 2**53 ({MOST_LIMIT:,}), got {_shown(value)}")
+        raise ValueError(f"{argument} must be at most 2**53 ({MOST_LIMIT:,}), got {_shown(value)}")
     return value
 
 
@@ -212,13 +213,7 @@ def check_cost(value: object, burst: int | None = None, argument: str = "cost") 
 
 def check_weight(value: object) -> int:
     """What one permit weighs: an int from 1 to 2**53 (whether it fits the limit in force, Redis says)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"weight must be an int, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"weight must be at least 1, got {_shown(value)}")
-    if value > MOST_LIMIT:
-        raise ValueError(f"weight must be at most 2**53 ({MOST_LIMIT:,}), got {_shown(value)}")
-    return value
+    return check_limit(value, "weight")
 
 
 def check_replicas(value: object) -> int:

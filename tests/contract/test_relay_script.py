@@ -250,3 +250,39 @@ async def drive(server: RedisServer, data: st.DataObject) -> None:
     finally:
         await client.delete(*keys.fair)
         await client.aclose()
+
+
+def test_a_pass_never_installs_a_successor_over_a_limit_lowered_since_the_run_formed(
+    redis_server: RedisServer, loop: asyncio.AbstractEventLoop
+) -> None:
+    loop.run_until_complete(pass_after_a_raise_and_a_lowering(redis_server))
+
+
+async def pass_after_a_raise_and_a_lowering(server: RedisServer) -> None:
+    client = server.client()
+    keys = SemaphoreKeys.for_name("relay", secrets.token_hex(6))
+    other, first, second, third = f"{OTHER}.x", f"{CALLER}.a", f"{CALLER}.b", f"{CALLER}.c"
+
+    async def step(step: Step, members: list[str]) -> Reply:
+        return await fair_step(
+            client, step, keys, members, now=START, lease=LEASE, limit=1, waiter_ttl=WAITER_TTL, caller=CALLER,
+            relays=True,
+        )  # fmt: skip
+
+    try:
+        await step(Step.WAIT, [other, first, second, third])  # `other` holds; the caller's three wait
+        released = await step(Step.RELEASE, [other])
+        assert [identifier for identifier, _ in released.relayed] == [second, third]  # `first` holds, relaying on
+        raised = await step(Step.LIMIT, ["2"])
+        assert [identifier for identifier, _ in raised.granted] == [second]  # the run's next, from the queue's head
+        await step(Step.LIMIT, ["1"])
+        # `first` passes to `third`, as its run says; but two were held, and the limit is now 1: `second`
+        # holding, nobody else may.
+        (_, third_token), *_ = (pair for pair in released.relayed if pair[0] == third)
+        passed = await step(Step.PASS, [first, third, str(third_token)])
+        assert passed.values == (1, 0, 0)
+        assert (passed.holders, passed.waiting) == (1, 1)
+        assert await client.zrange(keys.owner_set, 0, -1) == [second.encode()]
+    finally:
+        await client.delete(*keys.fair)
+        await client.aclose()
