@@ -148,6 +148,8 @@ def emit(
 
 def emit_permit(kind: EventKind, permit: Permit) -> None:
     """Tell that ``permit`` was released or lost, with how long it was held."""
+    if not _observers and not event_logger.isEnabledFor(logging.DEBUG):
+        return  # as `emit` would, before reading the permit's weight from its identifier
     emit(
         kind,
         "semaphore",
