@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import redis.asyncio
     from redis.asyncio.cluster import RedisCluster
 
+    from tests.frontend.test_observing import Telemetry
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
@@ -254,3 +256,18 @@ def steady_sentinel_group(redis_binary: str, tmp_path: Path) -> Iterator[Sentine
     """A sentinel group that fails over only when told: a master busy for a second is not judged down."""
     with _SentinelGroup(redis_binary, tmp_path / "sentinel", down_after_ms=10_000) as group:
         yield group
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    """In-memory OpenTelemetry providers, which aiosem's instrumentation reports to for the test."""
+    # Imported here: the OpenTelemetry SDK only for the tests that ask for it.
+    from aiosem.contrib.opentelemetry import instrument  # noqa: PLC0415
+    from tests.frontend.test_observing import Telemetry  # noqa: PLC0415
+
+    recorded = Telemetry()
+    instrumentation = instrument(meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider)
+    yield recorded
+    aiosem.remove_observer(instrumentation)
+    recorded.meter_provider.shutdown()
+    recorded.tracer_provider.shutdown()

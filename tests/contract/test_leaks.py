@@ -30,11 +30,9 @@ import gc
 import json
 import random
 import secrets
-import sys
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
@@ -45,7 +43,7 @@ from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, r
 from aiosem._rules import TOMBSTONE_TTL_MS, queue_ttl_ms
 from aiosem._urls import close, connect
 from tests.harness.limiting import assert_no_task_left
-from tests.harness.support import FakeClock, two_processes, until_queued
+from tests.harness.support import FakeClock, two_processes, until_queued, worker_outputs
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,7 +56,6 @@ Kind = Literal["fair", "locked"]
 Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 CLASSES: Final[dict[Kind, type[Semaphore]]] = {"fair": AsyncFairSemaphore, "locked": AsyncLockedSemaphore}
 
-ROOT: Final = Path(__file__).resolve().parents[2]
 #: A worker process: runs the `Load` given as JSON, prints its `Tally` as JSON.
 WORKER: Final = "import sys; from tests.contract.test_leaks import work_in_process; work_in_process(sys.argv[1])"
 #: The longest any one wait of these tests may take.
@@ -214,23 +211,8 @@ def work_in_process(load: str) -> None:
 
 async def in_processes(loads: list[Load], within: float) -> Tally:
     """Run each load in a process of its own, all at once; add up their tallies."""
-    processes = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WORKER, json.dumps(asdict(load)), cwd=ROOT, stdout=asyncio.subprocess.PIPE
-        )
-        for load in loads
-    ]
-    try:
-        with anyio.fail_after(within):
-            outputs = await asyncio.gather(*(process.communicate() for process in processes))
-    finally:
-        for process in processes:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-    assert [process.returncode for process in processes] == [0] * len(loads)
     total = Tally()
-    for stdout, _ in outputs:
+    for stdout in await worker_outputs(WORKER, [json.dumps(asdict(load)) for load in loads], within):
         total += Tally(**json.loads(stdout))
     return total
 

@@ -33,7 +33,6 @@ from aiosem import (
 )
 from aiosem._urls import close, connect
 from aiosem._waiting import WaitQueue
-from aiosem.contrib.opentelemetry import instrument
 from tests.contract.test_cancellation import (
     CANCEL_AFTER,
     SWEEP_LEASE,
@@ -42,7 +41,6 @@ from tests.contract.test_cancellation import (
     cancelled_after,
 )
 from tests.frontend.configured.test_bad_input import redis_unchanged
-from tests.frontend.test_observing import Telemetry
 from tests.harness.limiting import close_and_settle
 from tests.harness.support import until_queued
 
@@ -50,6 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
 
     from aiosem._protocol import Reply
+    from tests.frontend.test_observing import Telemetry
     from tests.harness.support import FakeClock, RedisServer
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
@@ -728,16 +727,6 @@ async def test_observers_are_told_each_permits_weight_as_its_cost(
         ("acquired", light.identifier, 1),
         ("released", light.identifier, 1),
     ]
-
-
-@pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
-    recorded = Telemetry()
-    instrumentation = instrument(meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider)
-    yield recorded
-    aiosem.remove_observer(instrumentation)
-    recorded.meter_provider.shutdown()
-    recorded.tracer_provider.shutdown()
 
 
 async def test_otel_spans_of_a_heavy_permit_carry_its_weight(

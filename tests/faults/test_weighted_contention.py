@@ -29,10 +29,8 @@ import itertools
 import json
 import random
 import secrets
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
@@ -43,6 +41,7 @@ from aiosem._keys import SemaphoreKeys
 from aiosem._options import DEFAULT_PREFIX
 from aiosem._timing import Backoff, Deadline
 from aiosem._urls import close, connect
+from tests.harness.support import worker_outputs
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -57,7 +56,6 @@ CLASSES: Final[dict[Kind, type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]]
     "locked": AsyncLockedSemaphore,
 }
 
-ROOT: Final = Path(__file__).resolve().parents[2]
 #: A worker process: runs the `Load` given as JSON, prints its `Calls` as JSON.
 WORKER: Final = (
     "import sys; from tests.faults.test_weighted_contention import work_in_process; work_in_process(sys.argv[1])"
@@ -169,23 +167,8 @@ async def longest_queue(admin: redis.asyncio.Redis, queue: str, until: anyio.Eve
 
 async def in_processes(loads: list[Load], within: float) -> list[list[Call]]:
     """Run each load in a process of its own, all at once; return each one's calls."""
-    processes = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WORKER, json.dumps(asdict(load)), cwd=ROOT, stdout=asyncio.subprocess.PIPE
-        )
-        for load in loads
-    ]
-    try:
-        with anyio.fail_after(within):
-            outputs = await asyncio.gather(*(process.communicate() for process in processes))
-    finally:
-        for process in processes:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-    for process in processes:
-        assert process.returncode == 0, f"a worker failed with status {process.returncode} (its stderr is above)"
-    return [[Call(**call) for call in json.loads(stdout)] for stdout, _ in outputs]
+    outputs = await worker_outputs(WORKER, [json.dumps(asdict(load)) for load in loads], within)
+    return [[Call(**call) for call in json.loads(stdout)] for stdout in outputs]
 
 
 @pytest.mark.timeout(180)

@@ -16,7 +16,6 @@ from opentelemetry.trace import StatusCode
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimiterEvent, Permit, PermitLost
-from aiosem.contrib.opentelemetry import instrument
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -217,16 +216,6 @@ class Telemetry:
                         for point in metric.data.data_points
                     ]
         return found
-
-
-@pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
-    recorded = Telemetry()
-    instrumentation = instrument(meter_provider=recorded.meter_provider, tracer_provider=recorded.tracer_provider)
-    yield recorded
-    aiosem.remove_observer(instrumentation)
-    recorded.meter_provider.shutdown()
-    recorded.tracer_provider.shutdown()
 
 
 async def test_otel_counts_grants_timeouts_and_holds_per_semaphore(

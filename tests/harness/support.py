@@ -21,8 +21,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 from urllib.parse import quote
 
@@ -33,8 +35,7 @@ import redis.asyncio
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
-    from pathlib import Path
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from aiosem._connection import Client
 
@@ -487,3 +488,32 @@ async def until_queued(semaphore: Semaphore, count: int = 1) -> None:
     with anyio.fail_after(5):
         while await semaphore.waiting() < count:  # noqa: ASYNC110 -- a bounded poll of Redis's own state
             await asyncio.sleep(0.01)
+
+
+#: The project's root: where a worker process imports ``tests`` from.
+ROOT: Final = Path(__file__).resolve().parents[2]
+
+
+async def worker_outputs(script: str, arguments: Sequence[str], within: float) -> list[bytes]:
+    """Run ``python -c script argument`` for each argument, all at once, in the project's root: their stdouts.
+
+    Every worker must exit with status 0 within ``within`` seconds; those
+    still running then are killed.
+    """
+    processes = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, argument, cwd=ROOT, stdout=asyncio.subprocess.PIPE
+        )
+        for argument in arguments
+    ]
+    try:
+        with anyio.fail_after(within):
+            outputs = await asyncio.gather(*(process.communicate() for process in processes))
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    statuses = [process.returncode for process in processes]
+    assert statuses == [0] * len(processes), f"workers exited with {statuses} (their stderr is above)"
+    return [stdout for stdout, _ in outputs]
