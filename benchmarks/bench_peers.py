@@ -20,7 +20,10 @@ own ``redis-server`` and measured one after the other in the same run:
   poll), and python-redis-lock's synchronous ``redis_lock.Lock`` (``SET NX``,
   then ``BLPOP`` on a signal list), each acquire and release in a worker
   thread with a synchronous client, as an asyncio user of it would;
-* aiosem's `AsyncFairSemaphore` and `AsyncLockedSemaphore`.
+* aiosem's `AsyncFairSemaphore` and `AsyncLockedSemaphore`;
+* ``asyncio.Semaphore`` in the one process, no Redis at all: the ceiling
+  for any semaphore in one Python process, which ``vs in-process`` divides
+  by.
 
 Each row reports cycles/s, the ratio to the raw loop of the same scenario,
 the p50/p99 time ``acquire`` took, and, over the measured seconds:
@@ -40,6 +43,10 @@ the p50/p99 time ``acquire`` took, and, over the measured seconds:
   made the most (1/64, under 2 %, if all made as many): a peer that polls
   lets the coroutine that just released take the lock again before the
   sleeping ones look;
+* ``stalled``: coroutines still in a cycle `GRACE` seconds after the end,
+  then cancelled (the book's fair semaphore can livelock at limit 1: 64
+  callers that each add themselves and find others ranked ahead remove
+  themselves again, over and over);
 * ``over limit``: holds that began while ``limit`` others were in progress,
   counted by a plain in-use counter that every coroutine of the process
   shares. The hold is one pass of the event loop (``await asyncio.sleep(0)``),
@@ -51,6 +58,14 @@ The servers (``$AIOSEM_REDIS_SERVER``, else the one on ``PATH``) listen on
 free loopback ports, without persistence, and are stopped by their PIDs; port
 6379 is never touched. ``redis-benchmark``'s PING rate is taken once, on the
 first server while it is idle, as the server's own ceiling.
+
+Then the **hand-off**: at limit 1, a holder in this process and one waiter
+in another (this file run again with a hidden ``--role``), for each peer
+that blocks and for aiosem. Each repetition the holder takes the lock, tells
+the waiter to acquire, lets it settle into waiting (`HANDOFF_SETTLE`), and
+releases: from the start of ``release`` to the waiter's ``acquire``
+returning, as p50/p90/p99 (``time.perf_counter``, one clock for every
+process on Linux). The ratio divides by the best peer's p50 in the same run.
 
 The peers come from PyPI: ``pip install redis-rate-limiters python-redis-lock``.
 
@@ -86,20 +101,28 @@ from harness import (
     GRACE,
     HOST,
     MAX_CONNECTIONS,
+    STEP_TIMEOUT,
     Cycler,
+    Message,
     RawLoop,
     RedisServer,
     commandstats_calls,
     environment,
     markdown_table,
+    next_message,
     non_negative,
+    on_fresh_server,
+    open_stdin,
     package_version,
+    parse_or_play_role,
     percentile,
     positive,
     redis_benchmark_ping,
     redis_server_binary,
+    report,
     write_report,
 )
+from harness import Peer as HelperProcess
 from limiters import AsyncSemaphore
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
@@ -118,7 +141,15 @@ ACQUIRE_BOUND: Final = 30.0
 CONTROL_CLIENT: Final = "aiosem-bench-control"
 
 PeerName = Literal[
-    "raw", "book-fair", "book-locked", "limiters", "redis-py-lock", "python-redis-lock", "aiosem-fair", "aiosem-locked"
+    "raw",
+    "in-process",
+    "book-fair",
+    "book-locked",
+    "limiters",
+    "redis-py-lock",
+    "python-redis-lock",
+    "aiosem-fair",
+    "aiosem-locked",
 ]
 
 
@@ -134,6 +165,7 @@ class Peer:
 #: In the order they run in each scenario: the floor first.
 PEERS: Final[dict[PeerName, Peer]] = {
     "raw": Peer("raw EVALSHA loop", None),
+    "in-process": Peer("asyncio.Semaphore (one process, no Redis)", None),
     "book-fair": Peer("book: fair semaphore (6.14)", None),
     "book-locked": Peer("book: semaphore with lock (6.17)", None),
     "limiters": Peer("redis-rate-limiters AsyncSemaphore", "redis-rate-limiters"),
@@ -309,6 +341,25 @@ class ThreadedRedisLock:
         await anyio.to_thread.run_sync(self._lock.release, limiter=self._limiter)
 
 
+class InProcess:
+    """``asyncio.Semaphore``, in the acquire/release shape: the ceiling of one process."""
+
+    __slots__ = ("_semaphore",)
+
+    def __init__(self, limit: int) -> None:
+        self._semaphore = asyncio.Semaphore(limit)
+
+    def __repr__(self) -> str:
+        return f"InProcess({self._semaphore!r})"
+
+    async def acquire(self) -> bool:
+        await self._semaphore.acquire()
+        return True
+
+    async def release(self, permit: bool) -> None:
+        self._semaphore.release()
+
+
 @dataclass(frozen=True, slots=True)
 class Clients:
     """A row's clients, both named after the row, both counting."""
@@ -349,6 +400,8 @@ async def contenders(peer: PeerName, clients: Clients, name: str, limit: int) ->
     cyclers: list[Cycler[Any]]
     if peer == "raw":
         cyclers = [await RawLoop.load(client, f"bench:{{{name}}}")] * COROUTINES
+    elif peer == "in-process":
+        cyclers = [InProcess(limit)] * COROUTINES
     elif peer == "book-fair":
         cyclers = [BookFairSemaphore(client, name, limit, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND)] * COROUTINES
     elif peer == "book-locked":
@@ -385,8 +438,10 @@ class Tally:
     over_limit: int = 0
 
 
-async def cycle_loop(cycler: Cycler[Any], stop_at: float, latencies: list[float], tally: Tally) -> int:
-    cycles = 0
+async def cycle_loop(
+    cycler: Cycler[Any], stop_at: float, latencies: list[float], tally: Tally, *, cycles: list[int], index: int
+) -> None:
+    """Cycle until ``stop_at``, counting in ``cycles[index]``: a coroutine cancelled later keeps its count."""
     while time.perf_counter() < stop_at:
         started = time.perf_counter()
         permit = await cycler.acquire()
@@ -402,8 +457,7 @@ async def cycle_loop(cycler: Cycler[Any], stop_at: float, latencies: list[float]
         await asyncio.sleep(0)
         tally.in_use -= 1
         await cycler.release(permit)
-        cycles += 1
-    return cycles
+        cycles[index] += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,23 +468,31 @@ class Phase:
     tally: Tally
     #: The cycles of the coroutine that made the most.
     busiest: int
+    #: Coroutines still in a cycle `GRACE` seconds after the end, then cancelled.
+    stalled: int
 
 
 async def run_phase(cyclers: Sequence[Cycler[Any]], limit: int | None, seconds: float) -> Phase:
     latencies: list[float] = []
     tally = Tally(limit)
     start = time.perf_counter()
-    tasks = [asyncio.create_task(cycle_loop(cycler, start + seconds, latencies, tally)) for cycler in cyclers]
+    cycles = [0] * len(cyclers)
+    tasks = [
+        asyncio.create_task(cycle_loop(cycler, start + seconds, latencies, tally, cycles=cycles, index=index))
+        for index, cycler in enumerate(cyclers)
+    ]
     _, pending = await asyncio.wait(tasks, timeout=seconds + GRACE)
     # Cycles that finish after the deadline count, so the time they took does too.
     elapsed = time.perf_counter() - start
+    for task in pending:
+        # Stalled -- a livelock, not an error: counted, and the cycles made meanwhile stand.
+        task.cancel()
     if pending:
-        for task in pending:
-            task.cancel()
         await asyncio.wait(pending, timeout=GRACE)
-        raise RuntimeError(f"{len(pending)} of {len(tasks)} coroutines were still in a cycle {GRACE:g} s after the end")
-    counts = [task.result() for task in tasks]  # raises what a coroutine raised
-    return Phase(sum(counts), elapsed, latencies, tally, max(counts))
+    for task in tasks:
+        if task not in pending:
+            task.result()  # raises what a coroutine raised
+    return Phase(sum(cycles), elapsed, latencies, tally, max(cycles), len(pending))
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,8 +521,12 @@ class RowResult:
     busiest_share: float
     #: The commands Redis ran, by name, per cycle (commandstats; the most frequent first).
     commands_by_name: dict[str, float]
+    #: Coroutines still in a cycle `GRACE` seconds after the end, then cancelled (a livelock).
+    stalled: int = 0
     #: cycles/s over the raw loop's in the same scenario.
     ratio_to_raw: float | None = None
+    #: cycles/s over ``asyncio.Semaphore``'s, in one process, in the same scenario.
+    ratio_to_in_process: float | None = None
 
 
 async def measure_row(
@@ -515,6 +581,7 @@ async def measure_row(
         most_in_use=phase.tally.most_in_use,
         busiest_share=round(phase.busiest / cycles, 3),
         commands_by_name=dict(sorted(by_name.items(), key=lambda item: -item[1])),
+        stalled=phase.stalled,
     )
 
 
@@ -531,8 +598,145 @@ async def run_scenario(port: int, limit: int, duration: float, warmup: float) ->
             rows.append(await measure_row(port, control, peer, limit, duration=duration, warmup=warmup))
     finally:
         await control.aclose()
-    raw = next((row.cycles_per_second for row in rows if row.peer == "raw"), None)
-    return [replace(row, ratio_to_raw=round(row.cycles_per_second / raw, 3)) if raw else row for row in rows]
+    raw = next(row.cycles_per_second for row in rows if row.peer == "raw")
+    ceiling = next(row.cycles_per_second for row in rows if row.peer == "in-process")
+    return [
+        replace(
+            row,
+            ratio_to_raw=round(row.cycles_per_second / raw, 3),
+            ratio_to_in_process=round(row.cycles_per_second / ceiling, 4),
+        )
+        for row in rows
+    ]
+
+
+# --- the hand-off -------------------------------------------------------------
+
+#: The peers whose waiter blocks until the lock frees (redis-py's Lock polls, every 0.1 s), and aiosem.
+HANDOFF_PEERS: Final[tuple[PeerName, ...]] = (
+    "limiters",
+    "python-redis-lock",
+    "redis-py-lock",
+    "aiosem-fair",
+    "aiosem-locked",
+)
+#: From the waiter saying it is about to acquire to the release: time to be blocked in its BLPOP, or queued.
+HANDOFF_SETTLE: Final = 0.02
+#: Unmeasured repetitions first: connections open, scripts loaded.
+HANDOFF_WARMUP: Final = 5
+HANDOFF_REPETITIONS: Final = 100
+QUICK_HANDOFF_REPETITIONS: Final = 20
+#: How long a helper process may live at most.
+ROLE_LIFETIME: Final = 600.0
+
+
+async def role_handoff_waiter(port: int, config: Message) -> None:
+    """On each order: say so, acquire, note when it returned, release, and report the time."""
+    clients = new_clients(port, "aiosem-bench-handoff-waiter")
+    try:
+        with anyio.fail_after(ROLE_LIFETIME):
+            async with contenders(config["peer"], clients, config["name"], 1) as cyclers:
+                cycler = cyclers[0]
+                stdin = await open_stdin()
+                report(ready=True)
+                while await next_message(stdin) is not None:
+                    report(going=True)
+                    permit = await cycler.acquire()
+                    end = time.perf_counter()
+                    if permit is None:
+                        report(error=f"no hand-off within {ACQUIRE_BOUND:g} s")
+                        continue
+                    await cycler.release(permit)
+                    report(end=end)
+    finally:
+        await clients.asynchronous.aclose()
+        await clients.asynchronous.connection_pool.aclose()
+        clients.synchronous.close()
+
+
+async def run_role(role: str, port: int, config: Message) -> None:
+    await ROLES[role](port, config)
+
+
+ROLES: Final = {"handoff-waiter": role_handoff_waiter}
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffResult:
+    peer: PeerName
+    label: str
+    repetitions: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    #: p50 over the best peer's p50 in the same run (aiosem's own rows left out of "best").
+    ratio_to_best_peer: float | None = None
+
+
+async def measure_handoff(port: int, peer: PeerName, repetitions: int) -> HandoffResult:
+    """A holder here, a waiter in another process: from ``release`` called to the waiter's ``acquire`` returning."""
+    name = f"bench-handoff-{peer}"
+    clients = new_clients(port, "aiosem-bench-handoff-holder")
+    latencies: list[float] = []
+    try:
+        async with (
+            contenders(peer, clients, name, 1) as cyclers,
+            await HelperProcess.start("handoff-waiter", port, script=__file__, peer=peer, name=name) as waiter,
+        ):
+            holder = cyclers[0]
+            await waiter.receive()
+            for repetition in range(HANDOFF_WARMUP + repetitions):
+                permit = await holder.acquire()
+                if permit is None:
+                    raise RuntimeError("the holder could not take the free lock")
+                await waiter.send(go=repetition)
+                await waiter.receive()
+                await asyncio.sleep(HANDOFF_SETTLE)
+                start = time.perf_counter()
+                await holder.release(permit)
+                end = (await waiter.receive(within=ACQUIRE_BOUND + STEP_TIMEOUT))["end"]
+                if repetition >= HANDOFF_WARMUP:
+                    latencies.append(end - start)
+    finally:
+        await clients.asynchronous.aclose()
+        await clients.asynchronous.connection_pool.aclose()
+        clients.synchronous.close()
+    ordered = sorted(latencies)
+    return HandoffResult(
+        peer=peer,
+        label=PEERS[peer].label,
+        repetitions=len(ordered),
+        p50_ms=round(percentile(ordered, 0.5) * 1000, 3),
+        p90_ms=round(percentile(ordered, 0.9) * 1000, 3),
+        p99_ms=round(percentile(ordered, 0.99) * 1000, 3),
+        max_ms=round(ordered[-1] * 1000, 3),
+    )
+
+
+def with_best_peer(results: Sequence[HandoffResult]) -> list[HandoffResult]:
+    best = min(result.p50_ms for result in results if not result.peer.startswith("aiosem"))
+    return [replace(result, ratio_to_best_peer=round(result.p50_ms / best, 3)) for result in results]
+
+
+def handoff_table(results: Sequence[HandoffResult]) -> str:
+    header = ("peer", "hand-offs", "p50 ms", "p90 ms", "p99 ms", "max ms", "p50 vs best peer")
+    body = [
+        (
+            result.label,
+            str(result.repetitions),
+            f"{result.p50_ms:.3f}",
+            f"{result.p90_ms:.3f}",
+            f"{result.p99_ms:.3f}",
+            f"{result.max_ms:.3f}",
+            "n/a" if result.ratio_to_best_peer is None else f"{result.ratio_to_best_peer:.2f}",
+        )
+        for result in results
+    ]
+    return (
+        "hand-off at limit 1: from `release` called in this process to `acquire` returning in another\n\n"
+        + markdown_table(header, body)
+    )
 
 
 # --- the report ------------------------------------------------------------
@@ -544,12 +748,14 @@ def results_table(rows: Sequence[RowResult]) -> str:
         "limit",
         "cycles/s",
         "vs raw",
+        "vs in-process",
         "acquire p50 ms",
         "acquire p99 ms",
         "commands/cycle",
         "round trips/cycle",
         "replies/cycle",
         "connections",
+        "stalled",
         "over limit",
         "most in use",
         "busiest coroutine",
@@ -560,12 +766,14 @@ def results_table(rows: Sequence[RowResult]) -> str:
             str(row.limit),
             f"{row.cycles_per_second:,.0f}",
             "n/a" if row.ratio_to_raw is None else f"{row.ratio_to_raw:.2f}",
+            "n/a" if row.ratio_to_in_process is None else f"{row.ratio_to_in_process:.3f}",
             f"{row.acquire_p50_ms:.3f}",
             f"{row.acquire_p99_ms:.3f}",
             f"{row.commands_per_cycle:.2f}",
             f"{row.round_trips_per_cycle:.2f}",
             f"{row.replies_per_cycle:.2f}",
             str(row.connections),
+            f"**{row.stalled}**" if row.stalled else "0",
             "-" if row.over_limit is None else (f"**{row.over_limit:,}**" if row.over_limit else "0"),
             str(row.most_in_use),
             f"{row.busiest_share:.0%}",
@@ -597,7 +805,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--warmup", type=non_negative, help=f"unmeasured seconds before each row (default {FULL.warmup:g})"
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
-    args = parser.parse_args(argv)
+    args = parse_or_play_role(parser, argv, ROLES, run_role)
+    if args is None:
+        return 0
     plan = QUICK if args.quick else FULL
     duration = plan.duration if args.duration is None else args.duration
     warmup = plan.warmup if args.warmup is None else args.warmup
@@ -617,9 +827,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # While the server is idle: the PING rate is the server's ceiling, not ours.
                 ping = redis_benchmark_ping(server.port)
             rows.extend(asyncio.run(run_scenario(server.port, limit, duration, warmup)))
+    repetitions = QUICK_HANDOFF_REPETITIONS if args.quick else HANDOFF_REPETITIONS
+    handoffs = with_best_peer(
+        [
+            on_fresh_server(
+                binary,
+                versions,
+                f"hand-off: {PEERS[peer].label}",
+                partial(measure_handoff, peer=peer, repetitions=repetitions),
+            )
+            for peer in HANDOFF_PEERS
+        ]
+    )
 
     print()
     print(results_table(rows))
+    print()
+    print(handoff_table(handoffs))
     print()
     if ping is None:
         print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
@@ -642,6 +866,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lease_s": LEASE,
             "redis_benchmark_ping": ping,
             "rows": [asdict(row) for row in rows],
+            "handoff_settle_s": HANDOFF_SETTLE,
+            "handoffs": [asdict(result) for result in handoffs],
         }
         write_report(args.json, report)
     return 0

@@ -18,6 +18,7 @@ figure                     from                 shows
 ``bench-replicas.png``     ``failover.json``    what ``replicas=1`` costs in cycles/s
 ``bench-peers.png``        ``peers.json``       cycles/s beside the peers, over-admission
                                                 and round trips, at limit 16 and limit 1
+``bench-peer-handoff.png`` ``peers.json``       hand-off beside the peers that block
 ``bench-scaling.png``      ``scaling.json``     cycles/s with 1 to 8 processes; idle commands/s
                                                 and connections of 10 to 10,000 waiters
 =========================  ===================  ==============================================
@@ -405,6 +406,37 @@ def peers(result: Result) -> Figure:
     return drawn
 
 
+def peer_handoff(result: Result) -> Figure:
+    """Release in one process to acquire returning in another, at limit 1: aiosem beside the peers that block."""
+    rows = result["handoffs"]
+    drawn, (ax,) = figure(result, 3.5, columns=1)
+    colours = {"aiosem-fair": COLOURS["fair"], "aiosem-locked": COLOURS["locked"]}
+    positions = range(len(rows))
+    for offset, (percentile, alpha) in enumerate((("p50", 1.0), ("p99", 0.45))):
+        bars = ax.barh(
+            [position + offset * 0.4 for position in positions],
+            [row[f"{percentile}_ms"] for row in rows],
+            height=0.4,
+            color=[colours.get(row["peer"], PEER) for row in rows],
+            alpha=alpha,
+        )
+        texts = [f"{percentile} {row[f'{percentile}_ms']:.2f} ms" for row in rows]
+        ax.bar_label(bars, texts, fontsize=SMALL, padding=2)
+    ax.set_yticks([position + 0.2 for position in positions], [row["label"] for row in rows], fontsize=SMALL)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.margins(x=0.25)
+    ax.xaxis.set_major_formatter(FuncFormatter(plain))
+    ax.set_xlabel("milliseconds (log scale)")
+    ax.grid(axis="x", color="#eeeeee")
+    drawn.suptitle(
+        "Hand-off at limit 1: release called in one process to acquire returning in another\n"
+        f"{rows[0]['repetitions']} hand-offs each; solid p50, pale p99",
+        fontsize=TITLE,
+    )
+    return drawn
+
+
 def first_row(drawn: Figure, panel: Axes, beside: Axes) -> None:
     """Stretch ``panel`` over the whole first row of ``drawn``'s grid, in place of the panel ``beside`` it."""
     grid = panel.get_gridspec()
@@ -507,6 +539,7 @@ FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
     ("bench-failover.png", "failover.json", failover),
     ("bench-replicas.png", "failover.json", replicas),
     ("bench-peers.png", "peers.json", peers),
+    ("bench-peer-handoff.png", "peers.json", peer_handoff),
     ("bench-scaling.png", "scaling.json", scaling),
 )
 
