@@ -489,6 +489,10 @@ async def run_phase(cyclers: Sequence[Cycler[Any]], limit: int | None, seconds: 
         task.cancel()
     if pending:
         await asyncio.wait(pending, timeout=GRACE)
+        for task in pending:
+            if task.done() and not task.cancelled():
+                # Cut off mid-command, its connection lost: what it raised is the cancellation's doing.
+                task.exception()
     for task in tasks:
         if task not in pending:
             task.result()  # raises what a coroutine raised
