@@ -209,9 +209,26 @@ async def semaphore_workload(cls: type[AsyncFairSemaphore] | type[AsyncLockedSem
                     with pytest.raises(aiosem.LimitMismatch):
                         await other_limit.acquire()
                     await other_limit.aclose()
+                await weighted_workload(cls(first, "weighed", 3))
         finally:
             for semaphore in (holder, waiter):
                 await semaphore.aclose()
+
+
+async def weighted_workload(semaphore: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
+    """A weighted permit held beside another (its weight is counted apart), and the limit set and cleared."""
+    try:
+        heavy = await semaphore.acquire(weight=2)
+        light = await semaphore.acquire(blocking=False)
+        assert heavy is not None
+        assert light is not None
+        assert await semaphore.count() == 3
+        assert await semaphore.release(heavy)
+        assert await semaphore.set_limit(4) == 3  # the limit brought
+        assert await semaphore.set_limit(None) == 4
+        assert await semaphore.release(light)
+    finally:
+        await semaphore.aclose()
 
 
 async def limiter_workload(account: Account, kind: str) -> None:

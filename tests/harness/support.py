@@ -78,7 +78,7 @@ class AclUser:
 
 #: Every command one of aiosem's Lua scripts may call: Redis checks those too against the caller's ACL.
 SCRIPT_COMMANDS: Final = (
-    "+del", "+get", "+hdel", "+hmget", "+hset", "+incr", "+persist", "+pexpire", "+pttl", "+set", "+time",
+    "+del", "+get", "+hdel", "+hmget", "+hset", "+incr", "+incrby", "+persist", "+pexpire", "+pttl", "+set", "+time",
     "+zadd", "+zcard", "+zintercard", "+zinterstore", "+zmscore", "+zrange", "+zrangebyscore", "+zrem",
     "+zremrangebyscore", "+zscore",
 )  # fmt: skip
