@@ -147,7 +147,12 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
         draft.hand_off()
         if members:
             draft.bring_limit()
-        values = [draft.acquire(member, step) for member in members]
+        # As fair_acquire: an identifier named twice in one step gets its first answer.
+        answered: dict[bytes, int] = {}
+        values = [
+            answered[member] if member in answered else answered.setdefault(member, draft.acquire(member, step))
+            for member in members
+        ]
     elif step is Step.PASS:
         values = []
         for holder, successor, token in zip(members[::3], members[1::3], members[2::3], strict=True):

@@ -166,6 +166,22 @@ end
 -- whole hash if the step leaves nobody holding or waiting -- one command
 -- fewer for most releases. An identifier entered again meanwhile keeps its
 -- new record.
+-- As aiosem_enter, for every one of `identifiers`, in one HSET per 500.
+local function aiosem_enter_all(identifiers, state)
+  if state.record == '' then
+    return
+  end
+  local fields = {}
+  for _, identifier in ipairs(identifiers) do
+    state.forgotten[identifier] = nil
+    fields[#fields + 1] = identifier
+    fields[#fields + 1] = state.record
+  end
+  for i = 1, #fields, 1000 do
+    redis.call('HSET', HOLDERS, unpack(fields, i, math.min(i + 999, #fields)))
+  end
+end
+
 local function aiosem_forget(members, state)
   for _, member in ipairs(members) do
     state.forgotten[member] = true
@@ -254,15 +270,28 @@ local function aiosem_recount_weight()
   return extra
 end
 
--- Hold a permit: `identifier` is granted `token`, with a lease from `stamp`.
-local function aiosem_hold(identifier, token, stamp, state)
-  redis.call('ZADD', OWNERS, token, identifier)
-  redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
+-- Count a permit just granted to `identifier` as held: its weight.
+local function aiosem_count_held(identifier, state)
   local weight = aiosem_weight(identifier)
   if weight > 1 then
     aiosem_add_weight(weight - 1, state)
   end
   state.holders = state.holders + weight
+end
+
+-- Hold a permit: `identifier` is granted `token`, with a lease from `stamp`.
+local function aiosem_hold(identifier, token, stamp, state)
+  redis.call('ZADD', OWNERS, token, identifier)
+  redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
+  aiosem_count_held(identifier, state)
+end
+
+-- Write `pairs` (score, member, score, member, ...) to the sorted set `key`:
+-- one ZADD per 500 members, however many permits a step grants.
+local function aiosem_zadd_pairs(key, pairs)
+  for i = 1, #pairs, 1000 do
+    redis.call('ZADD', key, unpack(pairs, i, math.min(i + 999, #pairs)))
+  end
 end
 
 -- Remove every permit whose lease ran out from both sets, and return the
@@ -401,21 +430,32 @@ local function aiosem_hand_off(free, state, granted, relayed)
   if #heads == 0 then
     return
   end
-  local messages = {}
-  for _, identifier in ipairs(heads) do
-    local token = aiosem_next_token(now)
+  -- The tokens drawn and the permits written together: a step that serves
+  -- many waiters pays for one command of each kind, not one per waiter.
+  local messages, tokens, leases = {}, {}, {}
+  local first = aiosem_next_tokens(now, #heads)
+  local own_stamp = aiosem_seconds(now)
+  local handed_stamp = aiosem_seconds(now - lease + math.min(waiter_ttl, lease))
+  for i, identifier in ipairs(heads) do
+    local token = first + i - 1
     local owner = aiosem_owner(identifier)
-    local stamp = now
+    local stamp = own_stamp
     if owner ~= state.caller then
-      stamp = now - lease + math.min(waiter_ttl, lease)
+      stamp = handed_stamp
       if owner then
         messages[owner] = (messages[owner] or '') .. identifier .. ':' .. string.format('%d', token) .. ' '
       end
     end
-    aiosem_hold(identifier, token, stamp, state)
+    tokens[#tokens + 1] = token
+    tokens[#tokens + 1] = identifier
+    leases[#leases + 1] = stamp
+    leases[#leases + 1] = identifier
+    aiosem_count_held(identifier, state)
     granted[#granted + 1] = identifier
     granted[#granted + 1] = token
   end
+  aiosem_zadd_pairs(OWNERS, tokens)
+  aiosem_zadd_pairs(TIMEOUTS, leases)
   aiosem_zrem_all(QUEUE, heads)
   aiosem_zrem_all(WAITERS, heads)
   state.queued = state.queued - #heads

@@ -32,17 +32,20 @@
 -- identifier that already holds gets its token again and its lease
 -- restarted, and one already queued keeps its place: a retried call never
 -- takes a second permit or a second place.
-local function acquire(identifier, state, refusal)
-  if redis.call('ZREM', CANCELLED, identifier) == 1 then
+-- `found` holds what the step read of the identifier before deciding any:
+-- its tombstone, its token and its place in the queue (false: none).
+-- Waiters that join the queue are noted in `joining`, in order, and written
+-- together by join_queue once the step's identifiers are all decided.
+local function acquire(identifier, found, state, refusal, joining)
+  if found.tombstone then
     return TOMBSTONED
   end
-  local stamp = aiosem_seconds(state.now)
-  local token = redis.call('ZSCORE', OWNERS, identifier)
+  local token = found.token
   if token then
-    redis.call('ZADD', TIMEOUTS, 'XX', stamp, identifier)
+    redis.call('ZADD', TIMEOUTS, 'XX', aiosem_seconds(state.now), identifier)
     return tonumber(token)
   end
-  if redis.call('ZSCORE', QUEUE, identifier) then
+  if found.place then
     redis.call('ZADD', WAITERS, 'XX', aiosem_seconds(state.now + state.waiter_ttl), identifier)
     state.waiters_written = true
     return QUEUED
@@ -63,13 +66,34 @@ local function acquire(identifier, state, refusal)
   if state.mode ~= MODE_WAIT then
     return REFUSED
   end
-  redis.call('ZADD', QUEUE, redis.call('INCR', TICKETS), identifier)
-  redis.call('ZADD', WAITERS, aiosem_seconds(state.now + state.waiter_ttl), identifier)
-  aiosem_enter(identifier, state)
+  joining[#joining + 1] = identifier
   state.queued = state.queued + 1
   state.served_first = true
   state.waiters_written = true
   return QUEUED
+end
+
+-- Queue the waiters `joining` noted, in order: their tickets drawn at once,
+-- and each key written by one command, however many joined.
+local function join_queue(joining, state)
+  local count = #joining
+  if count == 0 then
+    return
+  end
+  -- As INCR would, count times (and in the rights every user already has): KEEPTTL keeps the TTL.
+  local first = tonumber(redis.call('GET', TICKETS) or 0) + 1
+  redis.call('SET', TICKETS, string.format('%d', first + count - 1), 'KEEPTTL')
+  local alive_until = aiosem_seconds(state.now + state.waiter_ttl)
+  local tickets, deadlines = {}, {}
+  for i, identifier in ipairs(joining) do
+    tickets[#tickets + 1] = first + i - 1
+    tickets[#tickets + 1] = identifier
+    deadlines[#deadlines + 1] = alive_until
+    deadlines[#deadlines + 1] = identifier
+  end
+  aiosem_zadd_pairs(QUEUE, tickets)
+  aiosem_zadd_pairs(WAITERS, deadlines)
+  aiosem_enter_all(joining, state)
 end
 
 local function set_limit(value, state)
@@ -115,8 +139,25 @@ return aiosem_run(function(identifiers, state)
       state.stored = state.caller_limit
     end
   end
+  -- What each identifier has is read for all of them at once: three
+  -- commands a step, not three per identifier. An identifier named twice in
+  -- one step (each acquire has its own, so none is) gets its first answer.
+  local tombstones = aiosem_each('ZMSCORE', CANCELLED, identifiers)
+  local tokens = aiosem_each('ZMSCORE', OWNERS, identifiers)
+  local places = aiosem_each('ZMSCORE', QUEUE, identifiers)
+  local joining, answered, tombstoned = {}, {}, {}
   for i, identifier in ipairs(identifiers) do
-    results[i] = acquire(identifier, state, refusal)
+    if answered[identifier] == nil then
+      local found = {tombstone = tombstones[i], token = tokens[i], place = places[i]}
+      answered[identifier] = acquire(identifier, found, state, refusal, joining)
+      if found.tombstone then
+        tombstoned[#tombstoned + 1] = identifier
+      end
+    end
+    results[i] = answered[identifier]
   end
+  -- A tombstone that served is removed.
+  aiosem_zrem_all(CANCELLED, tombstoned)
+  join_queue(joining, state)
   return results
 end, true)

@@ -388,10 +388,7 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
             yield "a cancel of " + ("a holder" if member in leases else "a waiter" if member in queue else "the unseen")
         elif op.step is Step.REFRESH and member in leases and leases[member] < now - 1e-3:
             yield "a refresh of a lease"
-    if op.step is Step.PASS and any(reply.values[1::3]):
-        yield "a pass installed its successor"
-    if reply.relayed:
-        yield "a mutex relayed through a run"
+    yield from tell_relay(op, reply)
     if f":receipt:{op.call}" in before:
         yield "a release tried again under its call id"
     yield from (CODES[value] for value in reply.values if value in CODES)
@@ -401,6 +398,14 @@ def tell(op: Op, identifiers: list[str], reply: Reply, before: State, *, now: fl
         value > 0 and weight_of(identifier) > 1 for identifier, value in zip(identifiers, reply.values, strict=True)
     ):
         yield "a weighted permit granted"
+
+
+def tell_relay(op: Op, reply: Reply) -> Iterator[str]:
+    """The relay's part of what `tell` counts: a run formed, a pass that installed its successor."""
+    if op.step is Step.PASS and any(reply.values[1::3]):
+        yield "a pass installed its successor"
+    if reply.relayed:
+        yield "a mutex relayed through a run"
 
 
 def step_arguments(op: Op, ids: list[str]) -> list[str]:
