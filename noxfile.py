@@ -96,8 +96,8 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling,
-    live limits and weights."""
-    session.install("-e", ".", "--group", "bench")
+    live limits, weights, and the web integrations' overhead (needs ``wrk``: ``apt-get install wrk``)."""
+    session.install("-e", ".[fastapi,aiohttp]", "--group", "bench")
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
@@ -108,6 +108,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_scaling.py", "--json", "benchmarks/results/scaling.json")
     session.run("python", "benchmarks/bench_live_limit.py", "--json", "benchmarks/results/live_limit.json")
     session.run("python", "benchmarks/bench_weights.py", "--json", "benchmarks/results/weights.json")
+    session.run("python", "benchmarks/bench_web.py", "--json", "benchmarks/results/web.json")
     session.run("python", "benchmarks/plots.py")
 
 

@@ -12,7 +12,11 @@ Two measurements, on one private ``redis-server``:
   1 coroutine, and the raw loop): cycles/s, the client's CPU per cycle and
   the server's (from ``/proc/<pid>/stat``), and scripts per cycle with the
   server's time per script (``INFO commandstats``). Whichever side is near
-  100 % of a core is what bounds the scenario.
+  100 % of a core is what bounds the scenario. Of a script's time, the
+  commands it ran (``commandstats`` counts those inside scripts too) take
+  part, and Lua -- the script's own code, and each ``redis.call``'s
+  crossing into Redis and back -- the rest: the report gives both, and the
+  commands that took the most.
 
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
@@ -83,6 +87,10 @@ class CycleCost:
     server_busy: float
     scripts_per_cycle: float
     server_us_per_script: float
+    #: Of that, the time of the commands the scripts ran.
+    commands_us_per_script: float
+    #: The commands that took the most time inside the scripts: calls and microseconds, per script.
+    heaviest_commands: dict[str, tuple[float, float]]
 
 
 def process_cpu(pid: int) -> float:
@@ -150,6 +158,17 @@ async def cycle_cost(port: int, pid: int, scenario: tuple[str, int, int], second
         await client.aclose()
     scripts = after["cmdstat_evalsha"]["calls"] - before["cmdstat_evalsha"]["calls"]
     script_us = after["cmdstat_evalsha"]["usec"] - before["cmdstat_evalsha"]["usec"]
+    inside = {
+        name.removeprefix("cmdstat_"): (
+            entry["calls"] - before.get(name, {}).get("calls", 0),
+            entry["usec"] - before.get(name, {}).get("usec", 0),
+        )
+        for name, entry in after.items()
+        # The raw loop's script runs one command; the INFO calls are this function's own.
+        if name not in {"cmdstat_evalsha", "cmdstat_info"}
+    }
+    per_script = max(scripts, 1)
+    heaviest = sorted(inside.items(), key=lambda item: -item[1][1])[:6]
     return CycleCost(
         scenario=label,
         coroutines=coroutines,
@@ -159,7 +178,11 @@ async def cycle_cost(port: int, pid: int, scenario: tuple[str, int, int], second
         server_cpu_us=round(server / phase.cycles * 1e6, 1),
         server_busy=round(server / phase.seconds, 3),
         scripts_per_cycle=round(scripts / phase.cycles, 3),
-        server_us_per_script=round(script_us / max(scripts, 1), 1),
+        server_us_per_script=round(script_us / per_script, 1),
+        commands_us_per_script=round(sum(usec for _, usec in inside.values()) / per_script, 1),
+        heaviest_commands={
+            name: (round(calls / per_script, 2), round(usec / per_script, 1)) for name, (calls, usec) in heaviest
+        },
     )
 
 
@@ -208,6 +231,7 @@ def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
             "server CPU us/cycle",
             "scripts/cycle",
             "us/script",
+            "of it, commands",
         ),
         [
             (
@@ -218,11 +242,24 @@ def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
                 f"{cost.server_cpu_us:.1f} ({cost.server_busy:.0%})",
                 f"{cost.scripts_per_cycle:.3f}",
                 f"{cost.server_us_per_script:.0f}",
+                f"{cost.commands_us_per_script:.0f}",
             )
             for cost in cycles
         ],
     )
-    return f"{per_call}\n\n{per_cycle}"
+    inside = markdown_table(
+        ("scenario", "coroutines", "heaviest commands inside the scripts: calls / us per script"),
+        [
+            (
+                cost.scenario,
+                str(cost.coroutines),
+                ", ".join(f"{name} {calls:g} / {usec:g}" for name, (calls, usec) in cost.heaviest_commands.items()),
+            )
+            for cost in cycles
+            if cost.scripts_per_cycle
+        ],
+    )
+    return f"{per_call}\n\n{per_cycle}\n\n{inside}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
