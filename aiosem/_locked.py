@@ -133,8 +133,9 @@ class WatchedSteps:
 
     __slots__ = ("_core", "_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
 
-    #: Its plan relays a mutex granted to one of the caller's waiters through the run queued behind it.
-    relays = True
+    #: A step of this class never relays a mutex through a run: a waiter takes its ticket before it is
+    #: queued, so one that came earlier could be queued ahead of a run formed meanwhile (docs/design.md).
+    relays = False
 
     def __init__(self, core: Core, lock_timeout: float) -> None:
         self._core = core
@@ -311,8 +312,6 @@ class WatchedSteps:
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
             record=self._core.settings.record(),
             extra_weight=int(replies[19] or 0),
-            # As the fair class: with replicas to wait for, every grant waits for them instead.
-            relays=not self._core.settings.replicas,
         )
 
     async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:

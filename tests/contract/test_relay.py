@@ -1,6 +1,6 @@
 """A mutex relayed through a run of one object's waiters.
 
-When a semaphore with limit 1 -- of either class -- hands its permit to one of an
+When `AsyncFairSemaphore` with limit 1 hands its permit to one of an
 object's own waiters, the same step gives the object's waiters queued right
 behind it their fencing tokens: the object then passes the permit from each
 to the next at once, and tells Redis after. They stay queued in Redis until
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreError
+from aiosem import AsyncFairSemaphore, Permit, PermitLost, SemaphoreError
 from aiosem._scripts import FAIR_RELEASE
 from tests.harness.faults import proxied_client
 from tests.harness.support import until_queued
@@ -35,18 +35,17 @@ if TYPE_CHECKING:
 #: Generous bounds on what happens within a few round trips.
 BOUND = 10.0
 
-Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
-SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
-
-def relay_of(sem: Semaphore) -> Relay:
-    """The relay of a semaphore object (without replicas, it always has one)."""
+def relay_of(sem: AsyncFairSemaphore) -> Relay:
+    """The relay of a fair semaphore object (it always has one)."""
     relay = sem._core.relay
     assert relay is not None
     return relay
 
 
-async def queue_up(sem: Semaphore, watcher: Semaphore, order: list[str], label: str) -> asyncio.Task[Permit]:
+async def queue_up(
+    sem: AsyncFairSemaphore, watcher: AsyncFairSemaphore, order: list[str], label: str
+) -> asyncio.Task[Permit]:
     """Start an acquire that records ``label`` when granted and releases at once; return once it is queued."""
     queued_before = await watcher.waiting()
 
@@ -63,7 +62,7 @@ async def queue_up(sem: Semaphore, watcher: Semaphore, order: list[str], label: 
 
 
 async def relayed_to_head(
-    sem: Semaphore, *behind: Coroutine[Any, Any, Any], refreshed: bool = False
+    sem: AsyncFairSemaphore, *behind: Coroutine[Any, Any, Any], refreshed: bool = False
 ) -> tuple[Permit, list[asyncio.Task[Any]]]:
     """Hold the mutex, queue a head waiter and then ``behind`` in order, and release.
 
@@ -85,17 +84,16 @@ async def relayed_to_head(
     return relayed, tasks
 
 
-async def assert_idle(sem: Semaphore) -> None:
+async def assert_idle(sem: AsyncFairSemaphore) -> None:
     assert await sem.count() == 0
     assert await sem.waiting() == 0
 
 
 async def test_the_run_is_served_in_arrival_order_and_another_processes_waiter_ends_it(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    one = cls(real_client, "relay-order", 1)
-    other = cls(real_client, "relay-order", 1)
+    one = AsyncFairSemaphore(real_client, "relay-order", 1)
+    other = AsyncFairSemaphore(real_client, "relay-order", 1)
     order: list[str] = []
     first = await one.acquire()
     assert first is not None
@@ -115,10 +113,10 @@ async def test_the_run_is_served_in_arrival_order_and_another_processes_waiter_e
 
 
 async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
-    cls: SemaphoreClass, redis_server: RedisServer, proxy: TcpProxy
+    redis_server: RedisServer, proxy: TcpProxy
 ) -> None:
     client = proxied_client(proxy, redis_server)
-    sem = cls(client, "relay-at-once", 1)
+    sem = AsyncFairSemaphore(client, "relay-at-once", 1)
     try:
         warm = await sem.acquire()  # loads the scripts: no NOSCRIPT reply is held below
         assert warm is not None
@@ -127,8 +125,7 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         assert relay_of(sem).run_of(relayed.identifier)  # the step that granted it made the waiter behind its run
         assert await sem.waiting() == 1  # queued still, in its place
 
-        # The pass's first request: the script, or the locked step's lock and reads.
-        proxy.hold_replies(after=FAIR_RELEASE.sha.encode() if cls is AsyncFairSemaphore else b"WATCH")
+        proxy.hold_replies(after=FAIR_RELEASE.sha.encode())
         releasing = asyncio.create_task(sem.release(relayed))
         with anyio.fail_after(BOUND):
             successor = await behind
@@ -148,10 +145,8 @@ async def test_the_next_waiter_of_a_run_holds_before_redis_answers_the_release(
         await client.aclose()
 
 
-async def test_a_waiter_of_a_run_that_gives_up_is_passed_over(
-    cls: SemaphoreClass, real_client: redis.asyncio.Redis
-) -> None:
-    sem = cls(real_client, "relay-give-up", 1)
+async def test_a_waiter_of_a_run_that_gives_up_is_passed_over(real_client: redis.asyncio.Redis) -> None:
+    sem = AsyncFairSemaphore(real_client, "relay-give-up", 1)
     relayed, (quitter, last) = await relayed_to_head(sem, sem.acquire(), sem.acquire())
     quitter.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -167,10 +162,9 @@ async def test_a_waiter_of_a_run_that_gives_up_is_passed_over(
 
 
 async def test_a_waiter_cancelled_once_the_permit_was_relayed_to_it_relays_it_on(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    sem = cls(real_client, "relay-cancelled-holder", 1)
+    sem = AsyncFairSemaphore(real_client, "relay-cancelled-holder", 1)
     relayed, (doomed, last) = await relayed_to_head(sem, sem.acquire(), sem.acquire())
     releasing = asyncio.create_task(sem.release(relayed))
     await asyncio.sleep(0)  # the release relays the permit to `doomed` before its first await
@@ -187,10 +181,9 @@ async def test_a_waiter_cancelled_once_the_permit_was_relayed_to_it_relays_it_on
 
 
 async def test_a_run_whose_holder_lets_its_lease_run_out_is_served_from_the_queue(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    sem = cls(real_client, "relay-lapsed", 1, timeout=1.0)
+    sem = AsyncFairSemaphore(real_client, "relay-lapsed", 1, timeout=1.0)
     forgotten, (behind,) = await relayed_to_head(sem, sem.acquire())  # held, never refreshed, never released
     with anyio.fail_after(BOUND):
         permit = await behind
@@ -203,10 +196,9 @@ async def test_a_run_whose_holder_lets_its_lease_run_out_is_served_from_the_queu
 
 
 async def test_a_relay_whose_holder_lost_its_permit_still_serves_the_next_waiter(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    sem = cls(real_client, "relay-holder-gone", 1)
+    sem = AsyncFairSemaphore(real_client, "relay-holder-gone", 1)
     entered = asyncio.Event()
 
     async def hold_it() -> None:
@@ -223,10 +215,9 @@ async def test_a_relay_whose_holder_lost_its_permit_still_serves_the_next_waiter
 
 
 async def test_a_relay_that_finds_the_next_waiter_gone_from_the_queue_tells_it(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    sem = cls(real_client, "relay-gone", 1)
+    sem = AsyncFairSemaphore(real_client, "relay-gone", 1)
     entered = asyncio.Event()
     outcome: list[BaseException] = []
 
@@ -252,8 +243,8 @@ async def test_a_relay_that_finds_the_next_waiter_gone_from_the_queue_tells_it(
     await assert_idle(sem)
 
 
-async def test_without_a_mutex_nothing_is_relayed(cls: SemaphoreClass, real_client: redis.asyncio.Redis) -> None:
-    sem = cls(real_client, "relay-limit-2", 2)
+async def test_without_a_mutex_nothing_is_relayed(real_client: redis.asyncio.Redis) -> None:
+    sem = AsyncFairSemaphore(real_client, "relay-limit-2", 2)
     holders = [await sem.acquire() for _ in range(2)]
     waiters = [asyncio.create_task(sem.acquire())]
     await until_queued(sem, 1)
@@ -272,10 +263,9 @@ async def test_without_a_mutex_nothing_is_relayed(cls: SemaphoreClass, real_clie
 
 
 async def test_closing_gives_back_a_relayed_permit_and_fails_the_waiters_of_its_run(
-    cls: SemaphoreClass,
     real_client: redis.asyncio.Redis,
 ) -> None:
-    sem = cls(real_client, "relay-close", 1)
+    sem = AsyncFairSemaphore(real_client, "relay-close", 1)
     _, (behind,) = await relayed_to_head(sem, sem.acquire(), refreshed=True)  # kept alive: closing releases it
     await sem.aclose()
     with pytest.raises(SemaphoreError, match="closed"):
