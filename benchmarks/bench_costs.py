@@ -7,7 +7,10 @@ Two measurements, on one private ``redis-server``:
   one-line script sent through ``Redis.evalsha`` -- redis-py's whole command
   path -- and of the same command written to a borrowed connection, as
   aiosem writes its scripts; then of one `AsyncFairSemaphore.refresh`,
-  a whole step with one identifier.
+  a whole step with one identifier; and of the pieces a step adds to its
+  round trip, each alone: a connection borrowed from the pool and given
+  back, a task started and awaited (a lane's flusher), and the bound
+  entered and left.
 * **per cycle** (the throughput scenarios: 64 coroutines at limits 16 and 1,
   1 coroutine, and the raw loop): cycles/s, the client's CPU per cycle and
   the server's (from ``/proc/<pid>/stat``), and scripts per cycle with the
@@ -54,6 +57,7 @@ from harness import (
 
 from aiosem import AsyncFairSemaphore
 from aiosem._connection import pinned_connection
+from aiosem._timing import Bound
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -132,10 +136,24 @@ async def call_costs(port: int) -> list[CallCost]:
         async def refresh() -> object:
             return await semaphore.refresh(permit)
 
+        async def borrowed() -> object:
+            async with pinned_connection(client, key) as connection:
+                return connection
+
+        async def task() -> object:
+            return await asyncio.create_task(asyncio.sleep(0))
+
+        async def bound() -> object:
+            with Bound(1.0, "a step"):
+                return None
+
         return [
             await call_cost("EVALSHA through Redis.evalsha", evalsha),
             await call_cost("EVALSHA written to a borrowed connection", written),
             await call_cost("AsyncFairSemaphore.refresh (one step)", refresh),
+            await call_cost("a connection borrowed and given back, nothing sent", borrowed),
+            await call_cost("a task started and awaited", task),
+            await call_cost("a step's bound entered and left", bound),
         ]
     finally:
         await client.aclose()
