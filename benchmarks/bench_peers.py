@@ -487,16 +487,20 @@ async def run_phase(cyclers: Sequence[Cycler[Any]], limit: int | None, seconds: 
     for task in pending:
         # Stalled -- a livelock, not an error: counted, and the cycles made meanwhile stand.
         task.cancel()
+    for task in pending:
+        # Cut off mid-command, it may end later, its connection lost: what it raises then is read here.
+        task.add_done_callback(_read_outcome)
     if pending:
         await asyncio.wait(pending, timeout=GRACE)
-        for task in pending:
-            if task.done() and not task.cancelled():
-                # Cut off mid-command, its connection lost: what it raised is the cancellation's doing.
-                task.exception()
     for task in tasks:
         if task not in pending:
             task.result()  # raises what a coroutine raised
     return Phase(sum(cycles), elapsed, latencies, tally, max(cycles), len(pending))
+
+
+def _read_outcome(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,8 +143,11 @@ def ratio(value: float) -> str:
 
 
 def log_span(values: Sequence[float], room: float) -> tuple[float, float]:
-    """Log-axis limits: from the decade below the least value, with ``room`` (a share of the span) after the most."""
-    low = 10 ** math.floor(math.log10(min(values)))
+    """Log-axis limits: from the decade below the least value, with ``room`` (a share of the span) after the most.
+
+    Zeros have no place on a log axis (the in-process row makes no round trips): they are left out.
+    """
+    low = 10 ** math.floor(math.log10(min(value for value in values if value > 0)))
     high = max(values)
     return low, high * (high / low) ** room
 
@@ -353,7 +356,8 @@ def peers(result: Result) -> Figure:
     speeds, trips = axes[0::2], axes[1::2]
     colours = {"raw": COLOURS["raw"], "aiosem-fair": COLOURS["fair"], "aiosem-locked": COLOURS["locked"]}
     every = [row for rows in scenarios for row in rows]
-    speed_limits = log_span([row["cycles_per_second"] for row in every], 0.45)
+    # A peer that made next to nothing (the book's livelocked mutex) would stretch the axis by decades.
+    speed_limits = log_span([row["cycles_per_second"] for row in every if row["cycles_per_second"] >= 1], 0.3)
     trip_limits = log_span([row["round_trips_per_cycle"] for row in every], 0.45)
     for speed, trip, limit, rows in zip(speeds, trips, limits, scenarios, strict=True):
         trip.sharey(speed)
