@@ -108,11 +108,15 @@ local function aiosem_next_tokens(now, n)
   return first
 end
 
--- ZREM takes its members as arguments; unpack() is bounded by the Lua stack.
-local function aiosem_zrem_all(key, members)
-  for i = 1, #members, 1000 do
-    redis.call('ZREM', key, unpack(members, i, math.min(i + 999, #members)))
+-- Run `command` on `key` with `arguments`, 1,000 of them at most a call:
+-- unpack() is bounded by the Lua stack (pairs, an even number, stay whole).
+-- Answers the sum of the replies: what ZREM, ZADD, HSET and HDEL counted.
+local function aiosem_in_chunks(command, key, arguments)
+  local total = 0
+  for i = 1, #arguments, 1000 do
+    total = total + redis.call(command, key, unpack(arguments, i, math.min(i + 999, #arguments)))
   end
+  return total
 end
 
 -- What `command` (ZMSCORE, HMGET) answers for each of `members` in `key`,
@@ -140,15 +144,6 @@ local function aiosem_touch_all(key, score, members)
   end
 end
 
--- ZREM of many members, answering how many were removed.
-local function aiosem_zrem_counted(key, members)
-  local removed = 0
-  for i = 1, #members, 1000 do
-    removed = removed + redis.call('ZREM', key, unpack(members, i, math.min(i + 999, #members)))
-  end
-  return removed
-end
-
 -- Who an identifier is, for `python -m aiosem status` and the reaper: the
 -- caller's record, a JSON array [lease in ms, pid, host, label or null],
 -- written once, as the identifier joins the queue or is granted a permit
@@ -161,11 +156,6 @@ local function aiosem_enter(identifier, state)
   end
 end
 
--- Note that the records of `members`, which neither hold nor wait any
--- more, are to go: at the end of the step (aiosem_forget_now), or with the
--- whole hash if the step leaves nobody holding or waiting -- one command
--- fewer for most releases. An identifier entered again meanwhile keeps its
--- new record.
 -- As aiosem_enter, for every one of `identifiers`, in one HSET per 500.
 local function aiosem_enter_all(identifiers, state)
   if state.record == '' then
@@ -177,11 +167,14 @@ local function aiosem_enter_all(identifiers, state)
     fields[#fields + 1] = identifier
     fields[#fields + 1] = state.record
   end
-  for i = 1, #fields, 1000 do
-    redis.call('HSET', HOLDERS, unpack(fields, i, math.min(i + 999, #fields)))
-  end
+  aiosem_in_chunks('HSET', HOLDERS, fields)
 end
 
+-- Note that the records of `members`, which neither hold nor wait any
+-- more, are to go: at the end of the step (aiosem_forget_now), or with the
+-- whole hash if the step leaves nobody holding or waiting -- one command
+-- fewer for most releases. An identifier entered again meanwhile keeps its
+-- new record.
 local function aiosem_forget(members, state)
   for _, member in ipairs(members) do
     state.forgotten[member] = true
@@ -196,9 +189,7 @@ local function aiosem_forget_now(state)
   for member in pairs(state.forgotten) do
     members[#members + 1] = member
   end
-  for i = 1, #members, 1000 do
-    redis.call('HDEL', HOLDERS, unpack(members, i, math.min(i + 999, #members)))
-  end
+  aiosem_in_chunks('HDEL', HOLDERS, members)
 end
 
 -- The lease an identifier's record gives, in seconds; nil for none.
@@ -286,13 +277,6 @@ local function aiosem_hold(identifier, token, stamp, state)
   aiosem_count_held(identifier, state)
 end
 
--- Write `pairs` (score, member, score, member, ...) to the sorted set `key`:
--- one ZADD per 500 members, however many permits a step grants.
-local function aiosem_zadd_pairs(key, pairs)
-  for i = 1, #pairs, 1000 do
-    redis.call('ZADD', key, unpack(pairs, i, math.min(i + 999, #pairs)))
-  end
-end
 
 -- Remove every permit whose lease ran out from both sets, and return the
 -- weight freed and the weight held (state.extra is WEIGHT after it). A book
@@ -310,8 +294,8 @@ local function aiosem_reap(state)
   state.spared = #spared.members > 0
   local held, recount = before, false
   if #expired > 0 then
-    leases = leases - aiosem_zrem_counted(TIMEOUTS, expired)
-    held = held - aiosem_zrem_counted(OWNERS, expired)
+    leases = leases - aiosem_in_chunks('ZREM', TIMEOUTS, expired)
+    held = held - aiosem_in_chunks('ZREM', OWNERS, expired)
     aiosem_forget(expired, state)
     for _, member in ipairs(expired) do
       recount = recount or aiosem_weight(member) > 1
@@ -337,8 +321,8 @@ end
 local function aiosem_reap_waiters(state)
   local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', aiosem_seconds(state.now))
   if #dead > 0 then
-    aiosem_zrem_all(QUEUE, dead)
-    aiosem_zrem_all(WAITERS, dead)
+    aiosem_in_chunks('ZREM', QUEUE, dead)
+    aiosem_in_chunks('ZREM', WAITERS, dead)
     aiosem_forget(dead, state)
   end
   return redis.call('ZCARD', QUEUE)
@@ -454,10 +438,10 @@ local function aiosem_hand_off(free, state, granted, relayed)
     granted[#granted + 1] = identifier
     granted[#granted + 1] = token
   end
-  aiosem_zadd_pairs(OWNERS, tokens)
-  aiosem_zadd_pairs(TIMEOUTS, leases)
-  aiosem_zrem_all(QUEUE, heads)
-  aiosem_zrem_all(WAITERS, heads)
+  aiosem_in_chunks('ZADD', OWNERS, tokens)
+  aiosem_in_chunks('ZADD', TIMEOUTS, leases)
+  aiosem_in_chunks('ZREM', QUEUE, heads)
+  aiosem_in_chunks('ZREM', WAITERS, heads)
   state.queued = state.queued - #heads
   for owner, text in pairs(messages) do
     redis.call(state.publish, state.channels .. owner, text)

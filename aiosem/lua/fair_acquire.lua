@@ -91,8 +91,8 @@ local function join_queue(joining, state)
     deadlines[#deadlines + 1] = alive_until
     deadlines[#deadlines + 1] = identifier
   end
-  aiosem_zadd_pairs(QUEUE, tickets)
-  aiosem_zadd_pairs(WAITERS, deadlines)
+  aiosem_in_chunks('ZADD', QUEUE, tickets)
+  aiosem_in_chunks('ZADD', WAITERS, deadlines)
   aiosem_enter_all(joining, state)
 end
 
@@ -157,7 +157,7 @@ return aiosem_run(function(identifiers, state)
     results[i] = answered[identifier]
   end
   -- A tombstone that served is removed.
-  aiosem_zrem_all(CANCELLED, tombstoned)
+  aiosem_in_chunks('ZREM', CANCELLED, tombstoned)
   join_queue(joining, state)
   return results
 end, true)
