@@ -151,10 +151,10 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
             draft.bring_limit()
         # As fair_acquire: an identifier named twice in one step gets its first answer.
         answered: dict[bytes, int] = {}
-        values = [
-            answered[member] if member in answered else answered.setdefault(member, draft.acquire(member, step))
-            for member in members
-        ]
+        for member in members:
+            if member not in answered:
+                answered[member] = draft.acquire(member, step)
+        values = [answered[member] for member in members]
     elif operation is Operation.RELEASE:
         values = [draft.release(member, step) for member in members]
         if state.receipt is not None:
@@ -277,7 +277,7 @@ class _Draft:
     def grant(self, member: bytes, stamp: float) -> int:
         """As the scripts' aiosem_hold, with the next token."""
         state = self.state
-        # As the scripts' aiosem_next_token: never below the clock in microseconds.
+        # As the scripts' aiosem_next_tokens: never below the clock in microseconds.
         self.counter = max(self.counter + 1, math.floor(state.now * 1_000_000))
         self.owners[member] = self.counter
         score = _seconds(stamp)
@@ -293,7 +293,7 @@ class _Draft:
         return self.counter
 
     def enter(self, member: bytes) -> None:
-        """As the scripts' aiosem_enter: an identifier queued or granted straight away is stored with its record."""
+        """As the scripts' aiosem_enter_all: an identifier queued or granted straight away is stored with its record."""
         if self.state.record:
             self.writes.append(("HSET", self.state.keys.holders, member, self.state.record))
 

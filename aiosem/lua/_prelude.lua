@@ -17,7 +17,7 @@
 -- Every fair script takes the same keys:
 local TIMEOUTS = KEYS[1]   -- identifier -> grant or refresh time (s)
 local OWNERS = KEYS[2]     -- identifier -> fencing token
-local COUNTER = KEYS[3]    -- the last fencing token handed out (see aiosem_next_token)
+local COUNTER = KEYS[3]    -- the last fencing token handed out (see aiosem_next_tokens)
 local QUEUE = KEYS[4]      -- waiting identifier -> ticket (arrival order)
 local WAITERS = KEYS[5]    -- waiting identifier -> when it is presumed dead (s)
 local CANCELLED = KEYS[6]  -- identifier -> when its tombstone ends (s)
@@ -25,7 +25,7 @@ local TICKETS = KEYS[7]    -- the last ticket handed to a waiter
 local LIMIT = KEYS[8]      -- the limit in force: 'n' as a caller brought it,
                            -- while anybody holds or waits; '=n' as set by
                            -- a limit step, until cleared (see aiosem_stored_limit)
-local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter), while
+local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter_all), while
                            -- it holds or waits
 local WEIGHT = KEYS[10]    -- how much more than 1 each permit held weighs (see
                            -- aiosem_weight), together; absent for 0
@@ -49,7 +49,7 @@ local RECEIPT = KEYS[11]   -- what this call released, if it is a release with
 --         caller may still try the call again
 -- ARGV[11] '1' if the caller relays a mutex through a run of its own waiters
 --         (see aiosem_relay_run), else ''
--- ARGV[12] the caller's record of who it is (see aiosem_enter), '' for none
+-- ARGV[12] the caller's record of who it is (see aiosem_enter_all), '' for none
 -- ARGV[13..] identifiers: one that ends in '*k' is of a permit weighing k
 --         (k > 1), any other of one weighing 1 (see aiosem_weight)
 --
@@ -87,20 +87,12 @@ local function aiosem_seconds(x)
   return string.format('%.6f', x)
 end
 
--- The next fencing token: one more than the last, and never less than the
--- clock in microseconds. Tokens therefore keep increasing after the counter
--- expired, or Redis lost it, unless the clock stepped back further than
--- the time since the last grant. (A token is under 2^53, until the year
--- 2255: exact in a Lua number and in a sorted set's score.)
-local function aiosem_next_token(now)
-  local last = tonumber(redis.call('GET', COUNTER) or 0)
-  local token = math.max(last + 1, math.floor(now * 1000000))
-  redis.call('SET', COUNTER, string.format('%d', token), 'PX', COUNTER_TTL_MS)
-  return token
-end
-
--- The next `n` fencing tokens, as aiosem_next_token hands them out one by
--- one; returns the first.
+-- The next `n` fencing tokens; returns the first. Each is one more than the
+-- last, and never less than the clock in microseconds. Tokens therefore
+-- keep increasing after the counter expired, or Redis lost it, unless the
+-- clock stepped back further than the time since the last grant. (A token
+-- is under 2^53, until the year 2255: exact in a Lua number and in a sorted
+-- set's score.)
 local function aiosem_next_tokens(now, n)
   local last = tonumber(redis.call('GET', COUNTER) or 0)
   local first = math.max(last + 1, math.floor(now * 1000000))
@@ -148,15 +140,7 @@ end
 -- caller's record, a JSON array [lease in ms, pid, host, label or null],
 -- written once, as the identifier joins the queue or is granted a permit
 -- straight away; it follows the identifier through a hand-off. A caller
--- without one (a book client) writes nothing.
-local function aiosem_enter(identifier, state)
-  if state.record ~= '' then
-    state.forgotten[identifier] = nil
-    redis.call('HSET', HOLDERS, identifier, state.record)
-  end
-end
-
--- As aiosem_enter, for every one of `identifiers`, in one HSET per 500.
+-- without one (a book client) writes nothing. One HSET per 500 identifiers.
 local function aiosem_enter_all(identifiers, state)
   if state.record == '' then
     return

@@ -58,9 +58,9 @@ local function acquire(identifier, found, state, refusal, joining)
     return TOO_HEAVY
   end
   if not state.served_first and state.holders + weight <= state.limit then
-    token = aiosem_next_token(state.now)
+    token = aiosem_next_tokens(state.now, 1)
     aiosem_hold(identifier, token, state.now, state)
-    aiosem_enter(identifier, state)
+    aiosem_enter_all({identifier}, state)
     return token
   end
   if state.mode ~= MODE_WAIT then
