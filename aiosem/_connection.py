@@ -25,7 +25,7 @@ import anyio
 import redis
 from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import SSLConnection
+from redis.asyncio.connection import AbstractConnection, SSLConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from redis.asyncio.cluster import ClusterNode
-    from redis.asyncio.connection import AbstractConnection
 
 T = TypeVar("T")
 
@@ -53,6 +52,8 @@ except ImportError:  # pragma: no cover -- hiredis comes with aiosem's dependenc
     _hiredis_pack = None  # type: ignore[assignment]
 
 _UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
+#: How redis-py writes to a connection, which a connection class of the user's may override.
+_REDIS_PY_WRITE: Final = AbstractConnection.send_packed_command
 
 logger = logging.getLogger("aiosem")
 
@@ -208,6 +209,49 @@ class PinnedConnection:
         result: T = await connection.retry.call_with_retry(attempt, close)
         return result
 
+    async def _send(self, packed: list[bytes]) -> None:
+        """Write ``packed`` to the connection, as redis-py's ``send_packed_command`` does.
+
+        With a ``socket_timeout``, redis-py bounds every write by
+        ``asyncio.wait_for``, which runs it as a task of its own: a task, a
+        timer and three loop turns more a step, for a write the kernel takes
+        at once. Such a write is made here directly; only one the kernel did
+        not take whole waits, bounded as redis-py bounds it. A connection
+        not yet open, or with health checks, or of a class that writes its
+        own way (it overrides ``send_packed_command``), goes redis-py's way.
+
+        Raises:
+            redis.ConnectionError: The write failed; the connection is closed.
+            redis.TimeoutError: The write took longer than ``socket_timeout``.
+        """
+        connection = self._connection
+        # A private attribute of redis-py's connections (5.x to 8.x): without it,
+        # or on a transport that cannot tell what it holds back (fakeredis's), redis-py's way.
+        writer: asyncio.StreamWriter | None = getattr(connection, "_writer", None)
+        held_back = getattr(writer and writer.transport, "get_write_buffer_size", None)
+        timeout = connection.socket_timeout
+        if (
+            writer is None
+            or held_back is None
+            or not timeout
+            or connection.health_check_interval
+            or type(connection).send_packed_command is not _REDIS_PY_WRITE
+        ):
+            await connection.send_packed_command(packed)
+            return
+        try:
+            writer.writelines(packed)
+            if held_back():
+                await asyncio.wait_for(writer.drain(), timeout)
+            else:
+                await writer.drain()  # never waits: raises what a lost connection left
+        except asyncio.TimeoutError:
+            await connection.disconnect(nowait=True)
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as error:
+            await connection.disconnect(nowait=True)
+            raise redis.ConnectionError(f"Error while writing to socket: {error}") from error
+
     async def batch(self, *commands: Command) -> list[Any]:
         """Send ``commands`` in one write and return their raw replies in order.
 
@@ -220,7 +264,7 @@ class PinnedConnection:
             redis.RedisError: The connection failed.
         """
         connection = self._connection
-        await connection.send_packed_command(self._pack(commands))
+        await self._send(self._pack(commands))
         replies: list[Any] = []
         for _ in commands:
             try:
@@ -282,34 +326,38 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
     if isinstance(client, RedisCluster):
         await client.initialize()
         node: ClusterNode = client.get_node_from_key(key)  # type: ignore[assignment]
-        node_connection = connection = node.acquire_connection()
-
-        async def give_back() -> None:
-            node.release(node_connection)
-
+        connection = node.acquire_connection()
+        try:
+            yield PinnedConnection(connection)
+        except BaseException:
+            await _drop(connection)
+            raise
+        finally:
+            node.release(connection)
+        return
+    pool = client.connection_pool
+    kept = _kept_by_this_task()
+    if kept is not None and pool in kept:
+        connection = kept.pop(pool)
     else:
-        pool = client.connection_pool
-        kept = _kept_by_this_task()
-        if kept is not None and pool in kept:
-            connection = kept.pop(pool)
-        else:
-            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-
-        async def give_back() -> None:
-            if kept is not None and pool not in kept and connection.is_connected:
-                kept[pool] = connection
-            else:
-                await pool.release(connection)
-
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         yield PinnedConnection(connection)
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            await connection.disconnect(nowait=True)
+        await _drop(connection)
         raise
     finally:
-        with anyio.CancelScope(shield=True):
-            await give_back()
+        if kept is not None and pool not in kept and connection.is_connected:
+            kept[pool] = connection  # no await: nothing to shield on the way back
+        else:
+            with anyio.CancelScope(shield=True):
+                await pool.release(connection)
+
+
+async def _drop(connection: AbstractConnection) -> None:
+    """Close a connection left by an exception: it may hold unread replies or a WATCH."""
+    with anyio.CancelScope(shield=True):
+        await connection.disconnect(nowait=True)
 
 
 #: How often a read-only transaction follows a moving slot before it gives up.

@@ -71,14 +71,13 @@ class Listener(Protocol):
 
 
 class Submission(Generic[R]):
-    """The identifiers of one call to a `Lane`, whether they were sent, and what the step answered.
+    """The identifiers of one call to a `Lane`, and whether a batch carried them to Redis.
 
-    The outcome outlives the call: a caller cancelled once its identifiers
-    were sent can still learn what Redis did with them (`outcome`), and
-    undo exactly that.
+    A caller cancelled once its identifiers were sent knows that Redis may
+    have acted on them (`sent`), and undoes that by identifier.
     """
 
-    __slots__ = ("awaited", "identifiers", "outcome", "sent", "waiting_since")
+    __slots__ = ("answer", "identifiers", "sent", "waiting_since")
 
     def __init__(self, identifiers: Sequence[str]) -> None:
         self.identifiers = identifiers
@@ -87,15 +86,14 @@ class Submission(Generic[R]):
         self.sent = False
         #: When the call began to wait for its batch (loop time).
         self.waiting_since: float | None = None
-        #: The values of these identifiers and the whole result, once the step answered.
-        self.outcome: asyncio.Future[tuple[Sequence[int], R]] | None = None
-        #: What the caller awaits: cancelled the moment the caller is.
-        self.awaited: asyncio.Future[tuple[Sequence[int], R]] | None = None
+        #: What the caller awaits: the values of these identifiers and the
+        #: whole result; cancelled the moment the caller is.
+        self.answer: asyncio.Future[tuple[Sequence[int], R]] | None = None
 
     @property
     def abandoned(self) -> bool:
         """Whether the caller gave up before a batch carried these identifiers: they are left out."""
-        return not self.sent and self.awaited is not None and self.awaited.cancelled()
+        return not self.sent and self.answer is not None and self.answer.cancelled()
 
 
 class Lane(Generic[R]):
@@ -112,8 +110,8 @@ class Lane(Generic[R]):
     `CancelledError`, and never the client library (redis-py's
     ``wait_for`` on Python 3.10 and 3.11 would swallow it, and a command
     cut short drops its connection). A caller cancelled before its batch
-    starts is left out of it; one cancelled later can still read what the
-    step did (`Submission.outcome`) and undo it.
+    starts is left out of it; one cancelled later knows the step went out
+    (`Submission.sent`) and undoes what it may have done.
 
     ``run`` takes the identifiers of a batch, and when the longest-waiting
     call of the batch began to wait, and returns a result whose ``values``
@@ -133,19 +131,20 @@ class Lane(Generic[R]):
 
         Cancellation:
             Raised at once. If ``submission.sent`` is set by then, the step
-            goes on and may take effect: the caller must undo what it did,
-            which ``submission.outcome`` tells once the step has answered.
+            goes on and may take effect: the caller must undo what it did.
         """
         loop = asyncio.get_running_loop()
-        outcome = submission.outcome = loop.create_future()
+        # Awaited directly, not through `asyncio.shield`: the flusher settles
+        # it, and a caller's cancellation cancels only it, one loop turn sooner.
+        answer: asyncio.Future[tuple[Sequence[int], R]] = loop.create_future()
+        submission.answer = answer
         submission.waiting_since = loop.time()
         self._pending.append(submission)
         if self._flusher is None:
             # Not the loop's task factory: an eager one would start the batch
             # before the other calls of this turn could join it.
             self._flusher = asyncio.Task(self._flush(), loop=loop, name="aiosem lane")
-        awaited = submission.awaited = asyncio.shield(outcome)
-        return await awaited
+        return await answer
 
     async def _flush(self) -> None:
         async with keeping_connections():
@@ -185,20 +184,16 @@ class Lane(Generic[R]):
 
 
 def _settle(submission: Submission[R], outcome: tuple[Sequence[int], R] | BaseException) -> None:
-    """Give ``submission`` its outcome."""
-    future = submission.outcome
-    if future is None or future.done():
+    """Give ``submission`` its outcome, unless its caller gave up on it."""
+    answer = submission.answer
+    if answer is None or answer.done():
         return
     if isinstance(outcome, asyncio.CancelledError):
-        future.cancel()
+        answer.cancel()
     elif isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-        if submission.awaited is not None and submission.awaited.cancelled():
-            # Read: its caller gave up on it, and `asyncio.shield` marks it read only if the
-            # caller gave up after the error came.
-            future.exception()
+        answer.set_exception(outcome)
     else:
-        future.set_result(outcome)
+        answer.set_result(outcome)
 
 
 class _Kinds(NamedTuple):

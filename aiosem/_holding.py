@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, Final, Protocol
 
 import anyio
 
-from ._coordination import raise_if_cancel_swallowed, to_the_end
+from ._coordination import to_the_end
 from ._exceptions import PermitLost
 from ._observing import emit_permit, log_fields
 from ._protocol import Step
@@ -116,12 +116,14 @@ class Refreshable(Protocol):
 class Refresher:
     """Schedules the refresh rounds of every semaphore object of one event loop.
 
-    One task sleeps until the earliest round is due and starts it as a task
-    of its own; it ends when nothing is due and starts again with the next
-    hold. Holding no reference to a loop that is gone, it never outlives it.
+    One timer of the loop is set for the earliest round due; when it fires,
+    each due round starts as a task of its own. Nothing runs between
+    rounds, so a permit given back before its first round -- most are --
+    costs a timer set and cancelled, not a task. Holding no reference to a
+    loop that is gone, it never outlives it.
     """
 
-    __slots__ = ("__weakref__", "_due", "_loop", "_rounds", "_task", "_wake")
+    __slots__ = ("__weakref__", "_due", "_loop", "_rounds", "_timer")
 
     _registry: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Refresher]] = weakref.WeakKeyDictionary()
 
@@ -130,8 +132,7 @@ class Refresher:
         #: When each semaphore object's next round is due; absent while one runs.
         self._due: dict[Refreshable, float] = {}
         self._rounds: dict[Refreshable, asyncio.Task[None]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def of_running_loop(cls) -> Refresher:
@@ -142,6 +143,11 @@ class Refresher:
             refresher = cls._registry[loop] = cls(loop)
         return refresher
 
+    @property
+    def busy(self) -> bool:
+        """Whether a round is due or under way."""
+        return bool(self._due or self._rounds)
+
     def schedule(self, semaphore: Refreshable, at: float) -> None:
         """Have ``semaphore`` refresh its holds at loop time ``at`` (or earlier, if already due earlier)."""
         if semaphore in self._rounds:
@@ -149,32 +155,33 @@ class Refresher:
         due = self._due.get(semaphore)
         if due is None or at < due:
             self._due[semaphore] = at
-            self._wake.set()
-        if self._task is None:
-            self._task = self._loop.create_task(self._run(), name="aiosem refresher")
+            self._set_timer()
 
     def cancel(self, semaphore: Refreshable) -> None:
         """Stop scheduling ``semaphore``, which holds nothing any more; a round under way ends by itself."""
         if self._due.pop(semaphore, None) is not None:
-            self._wake.set()  # the task may have nothing left to wait for
+            self._set_timer()
 
-    async def _run(self) -> None:
-        task = asyncio.current_task()
-        try:
-            while self._due or self._rounds:
-                raise_if_cancel_swallowed(task)
-                now = self._loop.time()
-                for semaphore in [s for s, at in self._due.items() if at <= now]:
-                    del self._due[semaphore]
-                    self._rounds[semaphore] = self._loop.create_task(self._round(semaphore), name="aiosem refresh")
-                self._wake.clear()
-                if self._due:
-                    with anyio.move_on_after(min(self._due.values()) - now):
-                        await self._wake.wait()
-                else:
-                    await self._wake.wait()
-        finally:
-            self._task = None
+    def _set_timer(self) -> None:
+        """Have the timer fire when the earliest round is due, or not at all if none is."""
+        earliest = min(self._due.values(), default=None)
+        timer = self._timer
+        if timer is not None:
+            if timer.when() == earliest:
+                return
+            timer.cancel()
+            self._timer = None
+        if earliest is not None:
+            self._timer = self._loop.call_at(earliest, self._start_due_rounds)
+
+    def _start_due_rounds(self) -> None:
+        self._timer = None
+        # The loop fires a timer up to its clock's resolution early.
+        now = self._loop.time() + _CLOCK_SLACK
+        for semaphore in [s for s, at in self._due.items() if at <= now]:
+            del self._due[semaphore]
+            self._rounds[semaphore] = self._loop.create_task(self._round(semaphore), name="aiosem refresh")
+        self._set_timer()
 
     async def _round(self, semaphore: Refreshable) -> None:
         next_at: float | None = None
@@ -184,9 +191,11 @@ class Refresher:
             if self._rounds.get(semaphore) is asyncio.current_task():
                 del self._rounds[semaphore]
                 if next_at is not None:
-                    self._due[semaphore] = next_at
-                self._wake.set()
+                    self.schedule(semaphore, next_at)
 
+
+#: How early a round may start: more than an event loop's clock resolution, nothing beside a refresh interval.
+_CLOCK_SLACK: Final = 0.001
 
 #: The first pause before a failing refresh is tried again (it doubles, up to a refresh interval).
 _RETRY_PAUSE: Final = 0.05

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 import anyio
@@ -10,6 +9,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, PermitLost, SemaphoreError
+from aiosem._holding import Refresher
 from tests.harness.support import flushed_client
 
 if TYPE_CHECKING:
@@ -31,18 +31,14 @@ async def client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis
     await connection.aclose()
 
 
-def aiosem_tasks() -> list[asyncio.Task[object]]:
-    """aiosem's background tasks that are still running."""
-    return [
-        task
-        for task in asyncio.all_tasks()
-        if not task.done() and task.get_name() in {"aiosem refresher", "aiosem refresh"}
-    ]
+def refreshing() -> bool:
+    """Whether the loop's refresher has a round due, or one under way."""
+    return Refresher.of_running_loop().busy
 
 
 async def until_no_refresher() -> None:
     with anyio.fail_after(BOUND):
-        while aiosem_tasks():  # noqa: ASYNC110 -- the refresher ends on its own: no event says so
+        while refreshing():  # noqa: ASYNC110 -- the refresher ends on its own: no event says so
             await anyio.sleep(0.01)
 
 
@@ -243,7 +239,7 @@ async def test_nothing_keeps_refreshing_after_a_hold_ends(
 ) -> None:
     sem = cls(client, "ended", 1, timeout=0.6)
     async with sem:
-        assert aiosem_tasks()
+        assert refreshing()
     await until_no_refresher()
     await admin_client.config_resetstat()
     await anyio.sleep(0.5)

@@ -28,7 +28,8 @@ from aiosem import (
     limit_concurrency,
     limiter,
 )
-from tests.harness.limiting import Gate, assert_no_task_left, state, wait_until
+from aiosem._holding import Refresher
+from tests.harness.limiting import Gate, assert_no_task_left, state
 from tests.harness.support import RedisServer
 
 if TYPE_CHECKING:
@@ -391,8 +392,7 @@ async def test_aclose_leaves_no_task_running(redis_server: RedisServer) -> None:
 
     assert [number async for number in numbers()] == [1]
     async with limiter("db", 1):
-        # The loop's refresher starts, and sleeps until its first round.
-        await wait_until(lambda: any(task.get_name() == "aiosem refresher" for task in asyncio.all_tasks()))
+        assert Refresher.of_running_loop().busy  # its first round is due
         for _ in range(3):
             await anyio.lowlevel.checkpoint()
     await aiosem.aclose()
