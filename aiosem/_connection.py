@@ -326,38 +326,34 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
     if isinstance(client, RedisCluster):
         await client.initialize()
         node: ClusterNode = client.get_node_from_key(key)  # type: ignore[assignment]
-        connection = node.acquire_connection()
-        try:
-            yield PinnedConnection(connection)
-        except BaseException:
-            await _drop(connection)
-            raise
-        finally:
-            node.release(connection)
-        return
-    pool = client.connection_pool
-    kept = _kept_by_this_task()
-    if kept is not None and pool in kept:
-        connection = kept.pop(pool)
+        node_connection = connection = node.acquire_connection()
+
+        async def give_back() -> None:
+            node.release(node_connection)
+
     else:
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        pool = client.connection_pool
+        kept = _kept_by_this_task()
+        if kept is not None and pool in kept:
+            connection = kept.pop(pool)
+        else:
+            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+
+        async def give_back() -> None:
+            if kept is not None and pool not in kept and connection.is_connected:
+                kept[pool] = connection  # nothing awaited: nothing to shield
+            else:
+                with anyio.CancelScope(shield=True):
+                    await pool.release(connection)
+
     try:
         yield PinnedConnection(connection)
     except BaseException:
-        await _drop(connection)
+        with anyio.CancelScope(shield=True):
+            await connection.disconnect(nowait=True)
         raise
     finally:
-        if kept is not None and pool not in kept and connection.is_connected:
-            kept[pool] = connection  # no await: nothing to shield on the way back
-        else:
-            with anyio.CancelScope(shield=True):
-                await pool.release(connection)
-
-
-async def _drop(connection: AbstractConnection) -> None:
-    """Close a connection left by an exception: it may hold unread replies or a WATCH."""
-    with anyio.CancelScope(shield=True):
-        await connection.disconnect(nowait=True)
+        await give_back()
 
 
 #: How often a read-only transaction follows a moving slot before it gives up.
