@@ -332,6 +332,9 @@ class Core:
     ) -> None:
         """The part of `close` that waits: background work ended, the channel unsubscribed, ``holds`` released."""
         await asyncio.gather(*background, return_exceptions=True)
+        # Before `close` returns: a client closed right after it must not cut
+        # off the failed acquires' way out of the queue.
+        await self.queue.until_all_gone()
         if subscribed:
             await self.queue.channel.unsubscribe()
         if not holds:

@@ -453,8 +453,10 @@ class _Semaphore:
         Permits held by ``async with`` blocks still running, or taken with
         ``auto_refresh``, are released in one step (their bodies are not
         cancelled: their ``async with`` then raises `PermitLost`); waiting
-        acquires fail with `SemaphoreError`; the object's subscription ends.
-        The object can be used again afterwards.
+        acquires fail with `SemaphoreError`, and have left the queue in
+        Redis by the time `aclose` returns, so that the client may be closed
+        straight after; the object's subscription ends. The object can be
+        used again afterwards.
 
         Raises:
             redis.RedisError: Giving back the permits failed (they end with

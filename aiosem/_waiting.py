@@ -146,7 +146,18 @@ class Waiter:
 class WaitQueue:
     """The waiters of one semaphore object, and the pump that serves them (see the module's docstring)."""
 
-    __slots__ = ("_channel", "_claims", "_core", "_pump", "_queued", "_recheck_at", "_waiters", "_wake")
+    __slots__ = (
+        "_all_gone",
+        "_channel",
+        "_claims",
+        "_core",
+        "_giving_up",
+        "_pump",
+        "_queued",
+        "_recheck_at",
+        "_waiters",
+        "_wake",
+    )
 
     def __init__(self, core: Core) -> None:
         self._core = core
@@ -160,6 +171,9 @@ class WaitQueue:
         self._wake = asyncio.Event()
         self._recheck_at: float | None = None
         self._channel = Channel(core, self)
+        #: Give-ups under way, and what `until_all_gone` waits on once `close` failed the waiters.
+        self._giving_up = 0
+        self._all_gone: asyncio.Event | None = None
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -173,6 +187,8 @@ class WaitQueue:
         self._wake = asyncio.Event()
         self._recheck_at = None
         self._channel.reset()
+        self._giving_up = 0
+        self._all_gone = None
 
     @property
     def has_waiters(self) -> bool:
@@ -269,6 +285,16 @@ class WaitQueue:
                 waiter.state = WaiterState.DONE
         if not self._waiters:
             self._unlisten()
+        self._note_if_all_gone()
+
+    def _note_if_all_gone(self) -> None:
+        if self._all_gone is not None and not self._waiters and not self._giving_up:
+            self._all_gone.set()
+
+    async def until_all_gone(self) -> None:
+        """Wait until the acquires `close` failed have ended, and what they took is given back."""
+        if self._all_gone is not None:
+            await self._all_gone.wait()
 
     async def give_up(self, *identifiers: str) -> None:
         """Leave the queue, give back any permit, and refuse a grant still on its way.
@@ -282,6 +308,7 @@ class WaitQueue:
         relay = self._core.relay
         relayed = [identifier for identifier in identifiers if relay is not None and relay.holds(identifier)]
         others = [identifier for identifier in identifiers if identifier not in relayed]
+        self._giving_up += 1
         try:
             await to_the_end(
                 self._hand_back(relayed, others), name=f"giving back what an acquire of {self._core.semaphore!r} took"
@@ -293,6 +320,9 @@ class WaitQueue:
                 exc_info=True,
                 extra=log_fields(self._core.settings.name),
             )
+        finally:
+            self._giving_up -= 1
+            self._note_if_all_gone()
 
     async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
         relay = self._core.relay
@@ -533,7 +563,13 @@ class WaitQueue:
     # --- closing ------------------------------------------------------------------
 
     def close(self, error: SemaphoreError) -> list[asyncio.Task[None]]:
-        """Fail every waiting acquire with ``error`` and stop the pump and the channel: the tasks to wait for."""
+        """Fail every waiting acquire with ``error`` and stop the pump and the channel: the tasks to wait for.
+
+        The failed acquires give back what they took in their own tasks;
+        `until_all_gone` waits for them.
+        """
+        self._all_gone = asyncio.Event()
+        self._note_if_all_gone()
         for waiter in self._waiters.values():
             waiter.fail(error)
         background = [] if self._pump is None else [self._pump]

@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, SemaphoreError
 from tests.harness.faults import proxied_client
 from tests.harness.support import until_queued
 
@@ -162,6 +162,34 @@ async def test_aiosem_aclose_leaves_no_task_and_no_connection_of_what_it_made(
     await aiosem.aclose()
     await assert_all_closed_within(admin, WITHIN)
     await assert_none_made_again(admin, 1.0)
+
+
+async def test_aclose_returns_once_the_acquires_it_failed_have_left_the_queue(
+    cls: SemaphoreClass, redis_server: RedisServer, admin: redis.asyncio.Redis
+) -> None:
+    # The quick start closes its client right after its semaphore: the
+    # acquires `aclose` failed must have left Redis's queue by then, not have
+    # their way out cut off by the client's closing (seen on Python 3.13 as a
+    # warning per waiter, "could not give back what an interrupted acquire
+    # took").
+    client = redis_server.client(client_name=USERS)
+    holder_sem = cls(admin, "left", 1)
+    holder = await holder_sem.acquire()
+    assert holder is not None
+    sem = cls(client, "left", 1)
+    acquires = [asyncio.create_task(sem.acquire()) for _ in range(3)]
+    await until_queued(sem, 3)
+    await sem.aclose()
+    # A blocking client reads Redis as `aclose` left it: no other task runs meanwhile.
+    reader = redis_server._sync_client()
+    try:
+        assert reader.zcard(sem._core.keys.queue) == 0
+    finally:
+        reader.close()
+    outcomes = await asyncio.gather(*acquires, return_exceptions=True)
+    assert all(isinstance(outcome, SemaphoreError) for outcome in outcomes), outcomes
+    assert await holder_sem.release(holder)
+    await client.aclose()
 
 
 async def test_closing_while_acquires_are_cancelled_leaves_no_error_unread(
