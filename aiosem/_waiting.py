@@ -19,7 +19,7 @@ import enum
 import logging
 import math
 import secrets
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import redis
@@ -171,8 +171,8 @@ class WaitQueue:
         self._wake = asyncio.Event()
         self._recheck_at: float | None = None
         self._channel = Channel(core, self)
-        #: Give-ups under way, and what `until_all_gone` waits on once `close` failed the waiters.
-        self._giving_up = 0
+        #: The tasks giving up an acquire, and what `until_all_gone` waits on once `close` failed the waiters.
+        self._giving_up: set[asyncio.Task[Any] | None] = set()
         self._all_gone: asyncio.Event | None = None
 
     def __len__(self) -> int:
@@ -187,7 +187,7 @@ class WaitQueue:
         self._wake = asyncio.Event()
         self._recheck_at = None
         self._channel.reset()
-        self._giving_up = 0
+        self._giving_up.clear()
         self._all_gone = None
 
     @property
@@ -308,7 +308,10 @@ class WaitQueue:
         relay = self._core.relay
         relayed = [identifier for identifier in identifiers if relay is not None and relay.holds(identifier)]
         others = [identifier for identifier in identifiers if identifier not in relayed]
-        self._giving_up += 1
+        # By task, not by count: a give-up that began before the object was
+        # first used here (bound, and so reset) ends after it all the same.
+        task = asyncio.current_task()
+        self._giving_up.add(task)
         try:
             await to_the_end(
                 self._hand_back(relayed, others), name=f"giving back what an acquire of {self._core.semaphore!r} took"
@@ -321,7 +324,7 @@ class WaitQueue:
                 extra=log_fields(self._core.settings.name),
             )
         finally:
-            self._giving_up -= 1
+            self._giving_up.discard(task)
             self._note_if_all_gone()
 
     async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
