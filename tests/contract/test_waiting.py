@@ -408,11 +408,14 @@ async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
     # it the freed permit by message. The reply then finds the waiter holding:
     # the permit is its own, not an abandoned grant to give back. (The fair
     # class: a Lua-free step holds its lock meanwhile, and nobody could hand
-    # anything over.)
+    # anything over.) The permit is the waiter's at once only if the message
+    # comes within two thirds of a waiter timeout of the last step that found
+    # it queued; a heartbeat (a third) and the test's own steps come before
+    # the message, so the timeout leaves a loaded machine a second to spare.
     await admin_client.flushdb()
     client = proxied_client(proxy, redis_server)
-    other = AsyncFairSemaphore(admin_client, "requeued", 1, waiter_timeout=0.3)
-    sem = AsyncFairSemaphore(client, "requeued", 1, waiter_timeout=0.3)
+    other = AsyncFairSemaphore(admin_client, "requeued", 1, waiter_timeout=3)
+    sem = AsyncFairSemaphore(client, "requeued", 1, waiter_timeout=3)
     entered, leave = anyio.Event(), anyio.Event()
     lost: list[BaseException] = []
 
@@ -435,10 +438,10 @@ async def test_a_waiter_handed_its_permit_while_it_is_queued_again_keeps_it(
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(hold)
                 await wait_until_queued(other, 1)
+                await until_subscribed(sem)
                 proxy.hold_replies(after=FAIR_ACQUIRE.sha.encode())  # the queueing again, answered late
                 await admin_client.delete(f"{sem.key}:queue", f"{sem.key}:waiters")
-                await wait_until_queued(other, 1)  # queued again by the next heartbeat's re-check
-                await until_subscribed(sem)
+                await wait_until_queued(other, 1)  # queued again by the next re-check
                 assert await other.release(holder)  # handed over, by message
                 await entered.wait()
                 proxy.release_replies()
