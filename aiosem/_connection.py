@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import weakref
 from contextlib import asynccontextmanager, nullcontext
 from contextvars import ContextVar
@@ -52,8 +53,14 @@ except ImportError:  # pragma: no cover -- hiredis comes with aiosem's dependenc
     _hiredis_pack = None  # type: ignore[assignment]
 
 _UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
-#: How redis-py writes to a connection, which a connection class of the user's may override.
+#: How redis-py writes to and reads from a connection, which a connection class of the user's may override.
 _REDIS_PY_WRITE: Final = AbstractConnection.send_packed_command
+_REDIS_PY_READ: Final = AbstractConnection.read_response
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover -- redis-py depends on async-timeout there
+    from async_timeout import timeout as _timeout  # type: ignore[import-not-found,no-redef,unused-ignore]
 
 logger = logging.getLogger("aiosem")
 
@@ -209,40 +216,51 @@ class PinnedConnection:
         result: T = await connection.retry.call_with_retry(attempt, close)
         return result
 
-    async def _send(self, packed: list[bytes]) -> None:
-        """Write ``packed`` to the connection, as redis-py's ``send_packed_command`` does.
+    def _stream(self) -> asyncio.StreamWriter | None:
+        """The connection's stream, if a batch may be written to and read from it directly; else ``None``.
 
         With a ``socket_timeout``, redis-py bounds every write by
-        ``asyncio.wait_for``, which runs it as a task of its own: a task, a
-        timer and three loop turns more a step, for a write the kernel takes
-        at once. Such a write is made here directly; only one the kernel did
-        not take whole waits, bounded as redis-py bounds it. A connection
-        not yet open, or with health checks, or of a class that writes its
-        own way (it overrides ``send_packed_command``), goes redis-py's way.
+        ``asyncio.wait_for``, which runs it as a task of its own, and every
+        reply read by a timeout of its own: a task, three loop turns and a
+        timer per reply more a batch, for a write the kernel takes at once
+        and replies that arrive together. A batch is written directly, and
+        its replies read from the connection's parser under one timeout.
+
+        That takes two private attributes of redis-py's connections (5.x to
+        8.x), ``_writer`` and ``_parser``. Without them, and wherever
+        redis-py does more than write and parse -- a connection not yet
+        open, health checks, a class that writes or reads its own way, a
+        transport that cannot tell what it holds back (fakeredis's) -- a
+        batch goes redis-py's way. The parser handles RESP3's push messages
+        itself; redis-py 8 relaxes the timeout of the read under way when
+        one announces a maintenance, and so it does this one's.
+        """
+        connection = self._connection
+        writer: asyncio.StreamWriter | None = getattr(connection, "_writer", None)
+        if (
+            writer is None
+            or getattr(writer.transport, "get_write_buffer_size", None) is None
+            or getattr(connection, "_parser", None) is None
+            or not connection.socket_timeout
+            or connection.health_check_interval
+            or type(connection).send_packed_command is not _REDIS_PY_WRITE
+            or type(connection).read_response is not _REDIS_PY_READ
+        ):
+            return None
+        return writer
+
+    async def _write(self, writer: asyncio.StreamWriter, packed: list[bytes]) -> None:
+        """Write ``packed`` as redis-py's ``send_packed_command`` does: only a write the kernel did not take waits.
 
         Raises:
             redis.ConnectionError: The write failed; the connection is closed.
             redis.TimeoutError: The write took longer than ``socket_timeout``.
         """
         connection = self._connection
-        # A private attribute of redis-py's connections (5.x to 8.x): without it,
-        # or on a transport that cannot tell what it holds back (fakeredis's), redis-py's way.
-        writer: asyncio.StreamWriter | None = getattr(connection, "_writer", None)
-        held_back = getattr(writer and writer.transport, "get_write_buffer_size", None)
-        timeout = connection.socket_timeout
-        if (
-            writer is None
-            or held_back is None
-            or not timeout
-            or connection.health_check_interval
-            or type(connection).send_packed_command is not _REDIS_PY_WRITE
-        ):
-            await connection.send_packed_command(packed)
-            return
         try:
             writer.writelines(packed)
-            if held_back():
-                await asyncio.wait_for(writer.drain(), timeout)
+            if writer.transport.get_write_buffer_size():
+                await asyncio.wait_for(writer.drain(), connection.socket_timeout)
             else:
                 await writer.drain()  # never waits: raises what a lost connection left
         except asyncio.TimeoutError:
@@ -251,6 +269,43 @@ class PinnedConnection:
         except OSError as error:
             await connection.disconnect(nowait=True)
             raise redis.ConnectionError(f"Error while writing to socket: {error}") from error
+
+    async def _read(self, count: int) -> list[Any]:
+        """Read ``count`` replies from the parser, as redis-py's ``read_response`` reads each, under one timeout.
+
+        Error replies are returned, not raised. Anything else that ends the
+        read -- a cancellation included -- closes the connection, which may
+        be out of step with the server.
+
+        Raises:
+            redis.ConnectionError: The connection failed; it is closed.
+            redis.TimeoutError: The replies took longer than ``socket_timeout``.
+        """
+        connection = self._connection
+        parser: Any = connection._parser  # noqa: SLF001 -- see _stream
+        where = connection._host_error()  # noqa: SLF001 -- as redis-py words its errors
+        replies: list[Any] = []
+        relaxable = hasattr(connection, "_active_read_timeout")
+        try:
+            async with _timeout(connection.socket_timeout) as timeout:
+                if relaxable:
+                    connection._active_read_timeout = timeout  # noqa: SLF001 -- see above
+                try:
+                    for _ in range(count):
+                        replies.append(await parser.read_response())  # noqa: PERF401 -- awaited one by one
+                finally:
+                    if relaxable:
+                        connection._active_read_timeout = None  # noqa: SLF001
+        except asyncio.TimeoutError:
+            await connection.disconnect(nowait=True)
+            raise redis.TimeoutError(f"Timeout reading from {where}") from None
+        except OSError as error:
+            await connection.disconnect(nowait=True)
+            raise redis.ConnectionError(f"Error while reading from {where} : {error.args}") from error
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        return replies
 
     async def batch(self, *commands: Command) -> list[Any]:
         """Send ``commands`` in one write and return their raw replies in order.
@@ -264,13 +319,20 @@ class PinnedConnection:
             redis.RedisError: The connection failed.
         """
         connection = self._connection
-        await self._send(self._pack(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:  # noqa: PERF203 -- every reply must be read to stay in step
-                replies.append(error)
+        packed = self._pack(commands)
+        writer = self._stream()
+        replies: list[Any]
+        if writer is not None:
+            await self._write(writer, packed)
+            replies = await self._read(len(commands))
+        else:
+            await connection.send_packed_command(packed)
+            replies = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as error:  # noqa: PERF203 -- every reply must be read to stay in step
+                    replies.append(error)
         for reply in replies:
             for item in reply if isinstance(reply, list) else (reply,):
                 if isinstance(item, ResponseError):

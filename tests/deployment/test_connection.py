@@ -6,14 +6,20 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import anyio
 import pytest
+import redis
 import redis.asyncio
+from redis.exceptions import ResponseError
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
-from aiosem._connection import Command, PinnedConnection
+from aiosem._connection import Command, PinnedConnection, pinned_connection
 from tests.harness.support import until_queued
 
 if TYPE_CHECKING:
+    from typing import Any
+
+    from tests.harness.proxy import TcpProxy
     from tests.harness.support import RedisServer
 
 COMMANDS: list[Command] = [
@@ -24,6 +30,112 @@ COMMANDS: list[Command] = [
     ("ZADD", "k", -1.25e-7, "m"),
     ("TIME",),
 ]
+
+
+#: Clients of the unrestricted user (these tests send commands no semaphore sends), made as users
+#: make them, with the socket timeout redis-py 8 and `aiosem.configure` set: a batch is read under
+#: one timeout, RESP2 and RESP3 alike; with health checks or without a timeout, as redis-py reads.
+CLIENTS: dict[str, dict[str, Any]] = {
+    "RESP2": {"socket_timeout": 5, "protocol": 2},
+    "RESP3": {"socket_timeout": 5, "protocol": 3},
+    "health checks": {"socket_timeout": 5, "health_check_interval": 30},
+    "no socket timeout": {"socket_timeout": None},
+}
+BOUND = 5.0
+
+
+@pytest.fixture(params=list(CLIENTS))
+def client_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    options: dict[str, Any] = CLIENTS[request.param]
+    return options
+
+
+async def test_a_batch_reads_every_reply_before_it_raises_the_first_error(
+    redis_server: RedisServer, client_options: dict[str, Any]
+) -> None:
+    client = redis_server.admin_client(**client_options)
+    try:
+        async with pinned_connection(client, "batch-errors") as connection:
+            with pytest.raises(ResponseError, match="not an integer"):
+                await connection.batch(("SET", "batch-errors", "a"), ("INCR", "batch-errors"), ("ECHO", "after"))
+            # In step with the server: the next batch reads its own replies.
+            assert await connection.batch(("GET", "batch-errors"), ("ECHO", "next")) == [b"a", b"next"]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.skipif(
+    tuple(int(part) for part in redis.__version__.split(".")[:2]) < (6, 2),
+    reason="before 6.2, redis-py's hiredis parser returns a RESP3 push message as a reply, to its own commands too",
+)
+async def test_a_batch_hears_replies_past_a_resp3_push_message(redis_server: RedisServer) -> None:
+    client = redis_server.admin_client(socket_timeout=5, protocol=3)
+    writer = redis_server.admin_client()
+    try:
+        async with pinned_connection(client, "pushed") as connection:
+            assert await connection.batch(("CLIENT", "TRACKING", "ON"), ("GET", "pushed")) == [b"OK", None]
+            await writer.set("pushed", "changed")  # an invalidation is pushed to the tracking connection
+            assert await connection.batch(("ECHO", "a"), ("ECHO", "b")) == [b"a", b"b"]
+    finally:
+        await client.aclose()
+        await writer.aclose()
+
+
+@pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
+async def test_a_batch_whose_replies_stall_past_the_socket_timeout_raises_and_closes_its_connection(
+    proxy: TcpProxy, shape: str
+) -> None:
+    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, **{**CLIENTS[shape], "socket_timeout": 0.3})
+    try:
+        async with pinned_connection(client, "stalled") as connection:
+            assert await connection.batch(("ECHO", "warm")) == [b"warm"]
+            proxy.hold_replies()
+            with anyio.fail_after(BOUND), pytest.raises(redis.TimeoutError):
+                await connection.batch(("ECHO", "a"), ("ECHO", "b"))
+            assert not connection._connection.is_connected
+    finally:
+        proxy.release_replies()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
+async def test_a_batch_cancelled_while_it_reads_closes_its_connection(proxy: TcpProxy, shape: str) -> None:
+    # A cancelled read leaves replies unread: the connection must never serve another batch.
+    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, **CLIENTS[shape])
+    try:
+        async with pinned_connection(client, "cancelled") as connection:
+            assert await connection.batch(("ECHO", "warm")) == [b"warm"]
+            proxy.hold_replies()
+            reading = asyncio.create_task(connection.batch(("ECHO", "a"), ("ECHO", "b")))
+            with anyio.fail_after(BOUND):
+                await proxy.wait_until(lambda: proxy.held_replies > 0)
+            reading.cancel()
+            with anyio.fail_after(BOUND), pytest.raises(asyncio.CancelledError):
+                await reading
+            assert not connection._connection.is_connected
+    finally:
+        proxy.release_replies()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
+async def test_a_batch_whose_connection_drops_while_it_reads_raises_connection_error(
+    proxy: TcpProxy, shape: str
+) -> None:
+    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, **CLIENTS[shape])
+    try:
+        async with pinned_connection(client, "dropped") as connection:
+            assert await connection.batch(("ECHO", "warm")) == [b"warm"]
+            proxy.hold_replies()
+            reading = asyncio.create_task(connection.batch(("ECHO", "a"), ("ECHO", "b")))
+            with anyio.fail_after(BOUND):
+                await proxy.wait_until(lambda: proxy.held_replies > 0)
+            proxy.drop()
+            with anyio.fail_after(BOUND), pytest.raises(redis.ConnectionError):
+                await reading
+            assert not connection._connection.is_connected
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
