@@ -14,7 +14,7 @@ import anyio.lowlevel
 import redis.exceptions
 
 from ._background import Background
-from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command
+from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command, redirected
 from ._coordination import Lane, Submission
 from ._exceptions import out_of_memory
 from ._keys import decode_limit
@@ -172,12 +172,17 @@ class WatchedSteps:
         self._tickets[identifier.encode()] = ticket
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
-        # Bounded around the whole submit in `_arrive`, waiting included.
-        async with self._core.client.pipeline(transaction=False) as pipe:
-            for command in self._ticket_draw(len(identifiers)):
-                pipe.execute_command(*command)
-            last, _, _ = await pipe.execute()
-        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+        # Bounded around the whole submit in `arrive`, waiting included. A try
+        # whose reply was lost may have drawn tickets nobody holds: a gap in
+        # the queue's order, never a tie.
+        client, draw = self._core.client, self._ticket_draw(len(identifiers))
+
+        async def attempt() -> list[Any]:
+            async with pinned_connection(client, self._core.keys.tickets) as connection:
+                return await connection.retried(lambda: connection.batch(*draw))
+
+        last, _, _ = await redirected(client, attempt)
+        return _Tickets(tuple(range(int(last) - len(identifiers) + 1, int(last) + 1)))
 
     def _ticket_draw(self, count: int) -> list[Command]:
         """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
