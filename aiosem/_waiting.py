@@ -382,7 +382,6 @@ class WaitQueue:
             waiter = self.waiter(identifier)
             if waiter is None or not token.isdigit():
                 continue
-            self._hand_over(waiter)
             # Granted after the last step that found it queued was sent, for
             # a waiter timeout: a lease at least that long. Unless a third of
             # it is sure to be left -- as a heartbeat a third of a waiter
@@ -390,9 +389,11 @@ class WaitQueue:
             # does not -- the waiter returns only once its claim has found
             # the permit still there, and restarted its lease. (So it does
             # with replicas: the grant may not have reached them yet, and the
-            # claim waits for them.)
+            # claim waits for them.) The waiter is woken before the pump, so
+            # that the claim's step is not made ahead of its return.
             if not settings.replicas and now < waiter.proven + settings.waiter_ttl * 2 / 3:
                 waiter.grant(int(token), waiter.proven, settings.waiter_ttl)
+            self._hand_over(waiter)
 
     def _hand_over(self, waiter: Waiter) -> None:
         waiter.state = WaiterState.HANDED

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -68,6 +68,54 @@ async def test_a_release_hands_the_permit_to_the_waiter(make: Callable[..., Sema
     assert got[0].fencing_token > held.fencing_token
     assert await holder_side.count() == 1
     assert await holder_side.waiting() == 0
+
+
+class RecordingConnection(redis.asyncio.Connection):
+    """Notes each write to the socket in `events` (redis-py's write path: it overrides ``send_packed_command``)."""
+
+    events: list[str] = []  # noqa: RUF012 -- set by the test that uses it
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        type(self).events.append("written")
+        await super().send_packed_command(command, check_health)
+
+
+async def test_a_waiter_handed_its_permit_by_message_resumes_before_its_claim_is_written(
+    cls: SemaphoreClass, redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    # The permit is the waiter's from the message on; the claim that restarts
+    # its lease follows in the background, and its step -- a connection, a
+    # write -- must not run ahead of the waiter's return, nor of a task that
+    # awaits the acquire in a task of its own.
+    await admin_client.flushdb()
+    events: list[str] = []
+    RecordingConnection.events = events
+    options = redis_server.client().connection_pool.connection_kwargs
+    waiter_client = redis.asyncio.Redis.from_pool(
+        redis.asyncio.ConnectionPool(connection_class=RecordingConnection, **options)
+    )
+    holder_side = cls(admin_client, "resumes-first", 1)
+    waiter_side = cls(waiter_client, "resumes-first", 1)
+    try:
+        held = await holder_side.acquire()
+        assert held is not None
+        with anyio.fail_after(BOUND):
+            acquiring = asyncio.create_task(waiter_side.acquire())
+            await wait_until_queued(holder_side, 1)
+            await until_subscribed(waiter_side)
+            assert await holder_side.release(held)
+            events.append("released")
+            permit = await acquiring
+            events.append("resumed")
+            while "written" not in events[events.index("released") :]:  # noqa: ASYNC110 -- the claim, on its way
+                await asyncio.sleep(0.002)
+        assert events[events.index("released") + 1] == "resumed", events
+        assert permit is not None
+        assert await waiter_side.release(permit)
+    finally:
+        await waiter_side.aclose()
+        await holder_side.aclose()
+        await waiter_client.aclose()
 
 
 async def test_waiters_are_served_in_arrival_order_across_processes(make: Callable[..., Semaphore]) -> None:
