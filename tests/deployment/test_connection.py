@@ -99,42 +99,30 @@ async def test_a_batch_whose_replies_stall_past_the_socket_timeout_raises_and_cl
 
 
 @pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
-async def test_a_batch_cancelled_while_it_reads_closes_its_connection(proxy: TcpProxy, shape: str) -> None:
-    # A cancelled read leaves replies unread: the connection must never serve another batch.
+@pytest.mark.parametrize(
+    ("interruption", "raised"), [("cancelled", asyncio.CancelledError), ("dropped", redis.ConnectionError)]
+)
+async def test_a_batch_interrupted_while_it_reads_raises_and_closes_its_connection(
+    proxy: TcpProxy, shape: str, interruption: str, raised: type[BaseException]
+) -> None:
+    # A read cut short leaves replies unread: the connection must never serve another batch.
     client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, **CLIENTS[shape])
     try:
-        async with pinned_connection(client, "cancelled") as connection:
+        async with pinned_connection(client, interruption) as connection:
             assert await connection.batch(("ECHO", "warm")) == [b"warm"]
             proxy.hold_replies()
             reading = asyncio.create_task(connection.batch(("ECHO", "a"), ("ECHO", "b")))
             with anyio.fail_after(BOUND):
                 await proxy.wait_until(lambda: proxy.held_replies > 0)
-            reading.cancel()
-            with anyio.fail_after(BOUND), pytest.raises(asyncio.CancelledError):
+            if interruption == "cancelled":
+                reading.cancel()
+            else:
+                proxy.drop()
+            with anyio.fail_after(BOUND), pytest.raises(raised):
                 await reading
             assert not connection._connection.is_connected
     finally:
         proxy.release_replies()
-        await client.aclose()
-
-
-@pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
-async def test_a_batch_whose_connection_drops_while_it_reads_raises_connection_error(
-    proxy: TcpProxy, shape: str
-) -> None:
-    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, **CLIENTS[shape])
-    try:
-        async with pinned_connection(client, "dropped") as connection:
-            assert await connection.batch(("ECHO", "warm")) == [b"warm"]
-            proxy.hold_replies()
-            reading = asyncio.create_task(connection.batch(("ECHO", "a"), ("ECHO", "b")))
-            with anyio.fail_after(BOUND):
-                await proxy.wait_until(lambda: proxy.held_replies > 0)
-            proxy.drop()
-            with anyio.fail_after(BOUND), pytest.raises(redis.ConnectionError):
-                await reading
-            assert not connection._connection.is_connected
-    finally:
         await client.aclose()
 
 
