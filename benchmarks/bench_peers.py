@@ -36,7 +36,7 @@ the p50/p99 time ``acquire`` took, and, over the measured seconds:
   ``send_packed_command``) -- a pipeline is one, and so is a step aiosem
   makes for several coroutines at once, which their cycles share;
   ``replies/cycle``: the replies read
-  (``read_response`` calls): top-level commands, pub/sub messages included;
+  (the parsers' ``read_response`` calls): top-level commands, pub/sub messages included;
 * ``connections``: connections open under the row's client name at the end
   (pools keep what they opened, so this is the most the row needed);
 * ``busiest coroutine``: the share of the cycles made by the coroutine that
@@ -124,6 +124,7 @@ from harness import (
 )
 from harness import Peer as HelperProcess
 from limiters import AsyncSemaphore
+from redis.asyncio.connection import DefaultParser
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 
@@ -236,13 +237,22 @@ class CountingWriter:
 
 
 class CountingConnection(redis.asyncio.Connection):
-    """redis.asyncio's connection, its writes and replies counted in `WIRE`."""
+    """redis.asyncio's connection, its writes counted in `WIRE` (its replies are, by `CountingParser`)."""
 
     async def _connect(self) -> None:
         await super()._connect()  # type: ignore[no-untyped-call]  # untyped in redis-py
         if self._writer is not None:
             # Anything redis-py does with its writer, the wrapper passes on.
             self._writer = cast("asyncio.StreamWriter", CountingWriter(self._writer))
+
+
+class CountingParser(DefaultParser):  # type: ignore[misc,valid-type]  # a variable in redis-py's stubs
+    """redis.asyncio's parser, its replies counted in `WIRE`.
+
+    Counted here, not in the connection's ``read_response``: aiosem reads a
+    batch's replies from the parser, unless the connection's class reads its
+    own way -- as one overriding ``read_response`` would.
+    """
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         WIRE.read()
@@ -377,6 +387,7 @@ def new_clients(port: int, client_name: str) -> Clients:
         max_connections=MAX_CONNECTIONS,
         timeout=GRACE,
         connection_class=CountingConnection,
+        parser_class=CountingParser,
         client_name=client_name,
     )
     sync_pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]  # untyped in redis-py
