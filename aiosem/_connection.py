@@ -283,7 +283,6 @@ class PinnedConnection:
         """
         connection = self._connection
         parser: Any = connection._parser  # noqa: SLF001 -- see _stream
-        where = connection._host_error()  # noqa: SLF001 -- as redis-py words its errors
         replies: list[Any] = []
         relaxable = hasattr(connection, "_active_read_timeout")
         try:
@@ -297,9 +296,12 @@ class PinnedConnection:
                     if relaxable:
                         connection._active_read_timeout = None  # noqa: SLF001
         except asyncio.TimeoutError:
+            # Named as redis-py names the server in its errors, only when one is raised.
+            where = connection._host_error()  # noqa: SLF001
             await connection.disconnect(nowait=True)
             raise redis.TimeoutError(f"Timeout reading from {where}") from None
         except OSError as error:
+            where = connection._host_error()  # noqa: SLF001
             await connection.disconnect(nowait=True)
             raise redis.ConnectionError(f"Error while reading from {where} : {error.args}") from error
         except BaseException:
