@@ -20,13 +20,13 @@ import anyio
 import pytest
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, _connection
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit
 from aiosem._rules import TOMBSTONE_TTL_MS, queue_ttl_ms
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
 from aiosem._waiting import WaitQueue
 from tests.harness.proxy import TcpProxy
-from tests.harness.support import FakeClock, until_subscribed
+from tests.harness.support import FakeClock, until_one_time_checks_done, until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -104,9 +104,7 @@ async def warm_up(sem: Semaphore) -> None:
     permit = await sem.acquire()
     assert permit is not None
     assert await sem.release(permit)
-    with anyio.fail_after(WAIT):
-        while _connection._policy_checks:  # noqa: ASYNC110 -- a one-time check in the background, on a connection of its own
-            await asyncio.sleep(0.01)
+    await until_one_time_checks_done()
     client = sem._client
     assert isinstance(client, redis.asyncio.Redis)
     await client.connection_pool.disconnect()

@@ -32,7 +32,7 @@ import anyio
 import redis
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _connection
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -480,6 +480,35 @@ async def until_subscribed(semaphore: Semaphore) -> None:
     """
     with anyio.fail_after(5):
         while not semaphore._core.queue.channel.ready:  # noqa: ASYNC110 -- set in the background
+            await asyncio.sleep(0.002)
+
+
+async def until_one_time_checks_done() -> None:
+    """Wait until the one-time checks a client's first call starts in the background end (bounded to 5 s).
+
+    The eviction policy is read on a connection of its own, opened from the
+    client's pool: a test that counts a client's connections or writes
+    waits for this first.
+    """
+    with anyio.fail_after(5):
+        while _connection._policy_checks:  # noqa: ASYNC110 -- a task in the background, not ours to await
+            await asyncio.sleep(0.002)
+
+
+async def until_idle(semaphore: Semaphore) -> None:
+    """Wait until ``semaphore``'s object has no step in flight, nor a re-check due (bounded to 5 s).
+
+    Once subscribed, an object re-checks its waiters in the background: a
+    test that tells the object's writes apart waits for this after
+    `until_subscribed`.
+    """
+    core = semaphore._core
+    loop = asyncio.get_running_loop()
+    with anyio.fail_after(5):
+        while True:
+            due = core.queue.recheck_at
+            if (due is None or due > loop.time()) and all(lane._flusher is None for lane in core._lanes.values()):
+                return
             await asyncio.sleep(0.002)
 
 
