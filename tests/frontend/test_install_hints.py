@@ -26,8 +26,8 @@ READ_BY_USERS = [
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: ``pip install`` and what it installs, up to the end of the line or of a code span.
 _PIP_INSTALL = re.compile(r"pip install (?P<what>[^`\n#)]+)")
-#: What a page may install: the clone (``.``, with extras, or its path), or nox to run the tests.
-_FROM_THE_CLONE = re.compile(r"""'(?:\.|/path/to/aiosem)\[(?P<extras>[\w,]+)\]'|\.|nox""")
+#: What a page may install: the clone (``.``, with extras, or its path), or nox (and uv) to run the tests.
+_FROM_THE_CLONE = re.compile(r"""'(?:\.|/path/to/aiosem)\[(?P<extras>[\w,]+)\]'|\.|nox(?: uv)?""")
 
 
 def pyproject_extras() -> dict[str, list[str]]:
