@@ -1,6 +1,6 @@
 """Many processes contend for one limit on a real server: it is never exceeded.
 
-Four worker processes of 40 coroutines each loop for 3 s: take a permit,
+Four worker processes of 40 coroutines each loop for 2 s: take a permit,
 increment a shared in-use counter in Redis, hold for a moment, decrement,
 release (the ``python -m aiosem demo`` workers). The counter is only touched
 under a permit, so a reading above the limit is an over-admission.
@@ -32,7 +32,7 @@ def test_the_limit_holds_across_processes(topology_url: str, kind: Kind) -> None
         limit=limit,
         workers=4,
         coroutines=40,
-        duration=3.0,
+        duration=2.0,
         hold=0.002,
     )
     result = run(config)
