@@ -66,6 +66,10 @@ the waiter to acquire, lets it settle into waiting (`HANDOFF_SETTLE`), and
 releases: from the start of ``release`` to the waiter's ``acquire``
 returning, as p50/p90/p99 (``time.perf_counter``, one clock for every
 process on Linux). The ratio divides by the best peer's p50 in the same run.
+Two floors are measured alike, with no semaphore at all: a token handed
+over by ``LPUSH`` to a ``BLPOP`` (what the blocking peers build on), and a
+key handed over by one ``PUBLISH`` to a subscriber (what aiosem's waiter
+wakes by). No design of either kind hands off faster than its floor.
 
 The peers come from PyPI: ``pip install redis-rate-limiters python-redis-lock``.
 
@@ -80,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 import tempfile
 import threading
@@ -94,6 +99,7 @@ import anyio
 import anyio.to_thread
 import redis
 import redis.asyncio
+import redis.asyncio.client
 import redis.asyncio.lock
 import redis_lock  # type: ignore[import-untyped]  # python-redis-lock ships no type information
 from book import BookFairSemaphore, BookLockedSemaphore
@@ -151,6 +157,8 @@ PeerName = Literal[
     "python-redis-lock",
     "aiosem-fair",
     "aiosem-locked",
+    "floor-blpop",
+    "floor-publish",
 ]
 
 
@@ -161,6 +169,8 @@ class Peer:
     package: str | None
     #: A lock: run at limit 1 only.
     mutex_only: bool = False
+    #: A floor of the hand-off, no semaphore: measured there only, and never "the best peer".
+    floor: bool = False
 
 
 #: In the order they run in each scenario: the floor first.
@@ -174,6 +184,8 @@ PEERS: Final[dict[PeerName, Peer]] = {
     "python-redis-lock": Peer("python-redis-lock (threads)", "python-redis-lock", mutex_only=True),
     "aiosem-fair": Peer("aiosem AsyncFairSemaphore", "aiosem"),
     "aiosem-locked": Peer("aiosem AsyncLockedSemaphore", "aiosem"),
+    "floor-blpop": Peer("floor: LPUSH heard by a BLPOP", None, floor=True),
+    "floor-publish": Peer("floor: PUBLISH heard by a subscriber", None, floor=True),
 }
 
 
@@ -370,6 +382,83 @@ class InProcess:
         self._semaphore.release()
 
 
+class BlpopFloor:
+    """The least a hand-off by blocking pop does: one token in a list, handed over by ``LPUSH`` to a ``BLPOP``.
+
+    A mutex without a lease (a holder that dies keeps the token for
+    ever), a queue, or anything else a semaphore does: what the peers that
+    block build on, and a floor for them.
+    """
+
+    __slots__ = ("_client", "_key")
+
+    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
+        self._client = client
+        self._key = f"floor:{{{name}}}"
+
+    def __repr__(self) -> str:
+        return f"BlpopFloor({self._key!r})"
+
+    async def make(self) -> None:
+        """Put the token in the list, once for every process."""
+        if await self._client.set(f"{self._key}:made", 1, nx=True):
+            await self._client.lpush(self._key, 1)
+
+    async def acquire(self) -> bool | None:
+        return True if await self._client.blpop([self._key], timeout=ACQUIRE_BOUND) is not None else None
+
+    async def release(self, permit: bool) -> None:
+        await self._client.lpush(self._key, 1)
+
+
+class PublishFloor:
+    """The least a hand-off by message does: a key taken by ``SET NX``, handed over by one ``PUBLISH``.
+
+    The release publishes; whoever else listens takes the key as it is.
+    Between two processes, as the hand-off measures it, that is a lock; with
+    more waiters it is none (each would take it), and it has no lease. A
+    design whose waiter wakes by pub/sub, as aiosem's does, cannot hand off
+    faster: aiosem's release is a script that also reaps, hands the permit
+    to the head of the queue and publishes, and its waiter reads the message
+    as this one does.
+    """
+
+    __slots__ = ("_channel", "_client", "_key", "_me", "_pubsub")
+
+    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
+        self._client = client
+        self._key = f"floor:{{{name}}}"
+        self._channel = f"{self._key}:go"
+        #: What this object publishes, so that it skips its own messages.
+        self._me = secrets.token_hex(8).encode()
+        self._pubsub: redis.asyncio.client.PubSub | None = None
+
+    def __repr__(self) -> str:
+        return f"PublishFloor({self._key!r})"
+
+    async def acquire(self) -> bool | None:
+        if self._pubsub is None:
+            # Subscribed before the key is tried: no release can fall between.
+            self._pubsub = self._client.pubsub()
+            await self._pubsub.subscribe(self._channel)
+        if await self._client.set(self._key, 1, nx=True):
+            return True
+        with anyio.move_on_after(ACQUIRE_BOUND):
+            while True:
+                message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=ACQUIRE_BOUND)
+                if message is not None and message["data"] != self._me:
+                    return True
+        return None
+
+    async def release(self, permit: bool) -> None:
+        if await self._client.publish(self._channel, self._me) <= 1:  # only this object listens: nobody to take it
+            await self._client.delete(self._key)
+
+    async def aclose(self) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+
+
 @dataclass(frozen=True, slots=True)
 class Clients:
     """A row's clients, both named after the row, both counting."""
@@ -407,7 +496,7 @@ def new_clients(port: int, client_name: str) -> Clients:
 async def contenders(peer: PeerName, clients: Clients, name: str, limit: int) -> AsyncIterator[list[Cycler[Any]]]:
     """One cycler per coroutine: a shared object, or one each where the object holds the token."""
     client = clients.asynchronous
-    semaphore: AsyncFairSemaphore | AsyncLockedSemaphore | None = None
+    semaphore: AsyncFairSemaphore | AsyncLockedSemaphore | PublishFloor | None = None
     cyclers: list[Cycler[Any]]
     if peer == "raw":
         cyclers = [await RawLoop.load(client, f"bench:{{{name}}}")] * COROUTINES
@@ -425,6 +514,13 @@ async def contenders(peer: PeerName, clients: Clients, name: str, limit: int) ->
         # A thread per coroutine: each may sit in a BLPOP (anyio's default is 40).
         threads = anyio.CapacityLimiter(COROUTINES)
         cyclers = [ThreadedRedisLock(clients.synchronous, name, threads) for _ in range(COROUTINES)]
+    elif peer == "floor-blpop":
+        floor = BlpopFloor(client, name)
+        await floor.make()
+        cyclers = [floor] * COROUTINES
+    elif peer == "floor-publish":
+        semaphore = PublishFloor(client, name)
+        cyclers = [semaphore] * COROUTINES
     else:
         kind = AsyncFairSemaphore if peer == "aiosem-fair" else AsyncLockedSemaphore
         semaphore = kind(client, name, limit, timeout=LEASE, blocking_timeout=ACQUIRE_BOUND)
@@ -609,7 +705,7 @@ async def run_scenario(port: int, limit: int, duration: float, warmup: float) ->
     rows: list[RowResult] = []
     try:
         for peer, spec in PEERS.items():
-            if spec.mutex_only and limit != 1:
+            if (spec.mutex_only and limit != 1) or spec.floor:
                 continue
             print(f"  limit {limit}: {spec.label} ...", file=sys.stderr, flush=True)
             # No row starts on another's keys (the book's leftover entries, a list of tokens).
@@ -631,8 +727,10 @@ async def run_scenario(port: int, limit: int, duration: float, warmup: float) ->
 
 # --- the hand-off -------------------------------------------------------------
 
-#: The peers whose waiter blocks until the lock frees (redis-py's Lock polls, every 0.1 s), and aiosem.
+#: The two floors, the peers whose waiter blocks until the lock frees (redis-py's Lock polls, every 0.1 s), and aiosem.
 HANDOFF_PEERS: Final[tuple[PeerName, ...]] = (
+    "floor-blpop",
+    "floor-publish",
     "limiters",
     "python-redis-lock",
     "redis-py-lock",
@@ -734,7 +832,9 @@ async def measure_handoff(port: int, peer: PeerName, repetitions: int) -> Handof
 
 
 def with_best_peer(results: Sequence[HandoffResult]) -> list[HandoffResult]:
-    best = min(result.p50_ms for result in results if not result.peer.startswith("aiosem"))
+    best = min(
+        result.p50_ms for result in results if not result.peer.startswith("aiosem") and not PEERS[result.peer].floor
+    )
     return [replace(result, ratio_to_best_peer=round(result.p50_ms / best, 3)) for result in results]
 
 
