@@ -31,10 +31,7 @@ def tests(session: nox.Session, redis: str) -> None:
     """
     session.install(*UNDER_TEST, "--group", "test", REDIS_PY[redis])
     if redis == "latest":
-        # In two processes (pytest-xdist): most of its time is spent waiting
-        # -- for leases to run out, failovers, helper processes -- and each
-        # process starts servers of its own. About half the time, on 2 cores.
-        session.run("pytest", "-n", "2", *session.posargs)
+        session.run("pytest", *session.posargs)
         return
     only_latest = [] if session.posargs else ["-m", "not failover and not apps and not slow"]
     session.run("pytest", *only_latest, *session.posargs, env={"AIOSEM_TEST_ACL": "1"})
