@@ -2,7 +2,7 @@
 
 A semaphore object is a front (`_Semaphore`: the public calls) over a few
 parts that each own one concern -- the `WaitQueue` its waiters, the
-`Holdings` the permits it keeps alive, the `Relay` (fair class only) the
+`Holdings` the permits it keeps alive, the `Relay` the
 mutexes it relays -- and one backend that carries out each step atomically
 in Redis (Lua scripts, or watched transactions). The `Core` is what they
 share: the object's identity in Redis, and `Core.submit`, through which

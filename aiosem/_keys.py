@@ -19,6 +19,7 @@ base key as its ``semname``:
 ``prefix:{name}:waiters``         waiters: identifier -> presumed dead at (s)
 ``prefix:{name}:cancelled``       tombstones: identifier -> refused until (s)
 ``prefix:{name}:tickets``         the last ticket handed to a waiter
+``prefix:{name}:arriving``        locked waiters ticketed, not queued yet: identifier -> presumed gone at (s)
 ``prefix:{name}:limit``           the limit in force: ``n`` brought, while in use; ``=n`` set, until cleared
 ``prefix:{name}:holders``         records: identifier -> [lease (ms), pid, host, label]
 ``prefix:{name}:weight``          how much more than 1 each permit held weighs, together
@@ -157,6 +158,11 @@ class SemaphoreKeys:
     def tickets(self) -> str:
         return f"{self.base}:tickets"
 
+    @property
+    def arriving(self) -> str:
+        """The waiters of `AsyncLockedSemaphore` that hold a ticket and are not queued yet (see docs/design.md)."""
+        return f"{self.base}:arriving"
+
     def receipt(self, call: str) -> str:
         """What release call ``call`` released, for the same call tried again to read."""
         return f"{self.base}:receipt:{call}"
@@ -191,7 +197,7 @@ class SemaphoreKeys:
         return f"lock:{self.base}"
 
     @property
-    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str, str]:
+    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str, str, str]:
         """The keys every fair script takes, in order (and a release its receipt after them)."""
         return (
             self.timeout_set,
@@ -204,4 +210,5 @@ class SemaphoreKeys:
             self.limit,
             self.holders,
             self.weight,
+            self.arriving,
         )

@@ -131,11 +131,20 @@ class WatchedSteps:
     takes and frees the lock, draws the waiters' tickets, reads, and commits.
     """
 
-    __slots__ = ("_core", "_lock_ms", "_lock_seen_busy", "_ticket_lane", "_tickets", "_unlocking")
+    __slots__ = (
+        "_background",
+        "_core",
+        "_drawing",
+        "_lock_ms",
+        "_lock_seen_busy",
+        "_on_the_way",
+        "_ticket_lane",
+        "_tickets",
+    )
 
-    #: A step of this class never relays a mutex through a run: a waiter takes its ticket before it is
-    #: queued, so one that came earlier could be queued ahead of a run formed meanwhile (docs/design.md).
-    relays = False
+    #: Its plan relays a mutex granted to one of the caller's waiters through the run queued behind it,
+    #: while no waiter that may have come before the run is on its way to the queue (``:arriving``).
+    relays = True
 
     def __init__(self, core: Core, lock_timeout: float) -> None:
         self._core = core
@@ -144,25 +153,30 @@ class WatchedSteps:
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
         #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
         self._lock_seen_busy: set[Step] = set()
-        #: Unlocks under way after interrupted steps, for `close` to wait for.
-        self._unlocking = Background()
+        #: Unlocks after interrupted steps, and arrivals taken back, under way: for `close` to wait for.
+        self._background = Background()
         #: The tickets of waiters not yet queued.
         self._tickets: dict[bytes, int] = {}
+        #: The waiters that may be in ``:arriving``: their tickets drawn, or being drawn, and not queued yet.
+        self._on_the_way: set[bytes] = set()
+        #: The waiters whose tickets are being drawn by `arrive`: set once the draw has ended.
+        self._drawing: dict[bytes, asyncio.Event] = {}
         self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
 
     async def close(self) -> None:
-        """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""
+        """Wait for arrivals taken back, and unlocks of steps interrupted (each bounded by the lock's lifetime)."""
         loop = asyncio.get_running_loop()
-        unlocking = [task for task in self._unlocking if task.get_loop() is loop]
-        if unlocking:
+        running = [task for task in self._background if task.get_loop() is loop]
+        if running:
             with anyio.CancelScope(shield=True):
-                await asyncio.wait(unlocking)
+                await asyncio.wait(running)
 
     async def arrive(self, identifier: str) -> None:
         # A waiter's place is taken when it arrives, before it meets the lock:
         # however long the lock keeps it, nobody who came later gets ahead.
         # The tickets of a process's concurrent arrivals are drawn together.
         settings = self._core.settings
+        self._on_the_way.add(identifier.encode())
         with Bound(step_bound(settings.timeout), f"drawing a ticket of semaphore {settings.name!r}"):
             try:
                 (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
@@ -175,28 +189,70 @@ class WatchedSteps:
         # Bounded around the whole submit in `arrive`, waiting included. A try
         # whose reply was lost may have drawn tickets nobody holds: a gap in
         # the queue's order, never a tie.
-        client, draw = self._core.client, self._ticket_draw(len(identifiers))
+        client, draw = self._core.client, self._ticket_draw(identifiers)
 
         async def attempt() -> list[Any]:
             async with pinned_connection(client, self._core.keys.tickets) as connection:
                 return await connection.retried(lambda: connection.batch(*draw))
 
-        last, _, _ = await redirected(client, attempt)
-        return _Tickets(tuple(range(int(last) - len(identifiers) + 1, int(last) + 1)))
+        drawn = asyncio.Event()
+        members = [identifier.encode() for identifier in identifiers]
+        self._drawing.update(dict.fromkeys(members, drawn))
+        try:
+            last = _last_ticket(await redirected(client, attempt))
+        finally:
+            drawn.set()
+            for member in members:
+                if self._drawing.get(member) is drawn:
+                    del self._drawing[member]
+        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
 
-    def _ticket_draw(self, count: int) -> list[Command]:
-        """Draw ``count`` tickets: ``INCRBY``, then the TTL a step writing a waiter gives ``:tickets``.
+    def _ticket_draw(self, identifiers: Sequence[str | bytes]) -> list[Command]:
+        """Note ``identifiers`` arriving, then draw a ticket for each.
 
-        Drawn outside the lock, so the TTL can only be made longer (``NX``,
-        then ``GT``), never shorter: a caller with a shorter waiter timeout
-        must not let the tickets expire under another's waiters, or the next
-        waiters would be queued ahead of them.
+        Each identifier is added to ``:arriving`` with no deadline yet (the
+        next step to see it gives it one) *before* the ``INCRBY`` of
+        ``:tickets``, on one connection: whoever sees a ticket drawn sees
+        its waiter on its way, and a run is relayed only while none is.
+        Then the TTL a step writing a waiter gives both keys. Drawn outside
+        the lock, so the TTLs can only be made longer (``NX``, then ``GT``),
+        never shorter: a caller with a shorter waiter timeout must not let
+        the tickets expire under another's waiters, or the next waiters
+        would be queued ahead of them.
         """
-        tickets, queue_ms = self._core.keys.tickets, queue_ttl_ms(self._core.settings.waiter_ttl)
-        return [("INCRBY", tickets, count), ("PEXPIRE", tickets, queue_ms, "NX"), ("PEXPIRE", tickets, queue_ms, "GT")]
+        keys, queue_ms = self._core.keys, queue_ttl_ms(self._core.settings.waiter_ttl)
+        return [
+            ("ZADD", keys.arriving, *(item for identifier in identifiers for item in ("+inf", identifier))),
+            ("INCRBY", keys.tickets, len(identifiers)),
+            *(("PEXPIRE", key, queue_ms, when) for key in (keys.tickets, keys.arriving) for when in ("NX", "GT")),
+        ]
 
     def forget(self, identifier: str) -> None:
-        self._tickets.pop(identifier.encode(), None)
+        member = identifier.encode()
+        self._tickets.pop(member, None)
+        if member in self._on_the_way:
+            # Its acquire ended before a step queued it (cancelled while it
+            # drew its ticket, say): left in :arriving, it would stop every
+            # run until a step found it past its deadline.
+            self._on_the_way.discard(member)
+            self._background.start(self._take_back(member), name="aiosem arrival taken back")
+
+    async def _take_back(self, member: bytes) -> None:
+        keys = self._core.keys
+
+        async def attempt() -> None:
+            async with pinned_connection(self._core.client, keys.arriving) as connection:
+                await connection.batch(("ZREM", keys.arriving, member))
+
+        with anyio.move_on_after(step_bound(self._core.settings.timeout)):
+            try:
+                if (drawing := self._drawing.get(member)) is not None:
+                    # Behind the draw's own write of it: from another connection, it could overtake.
+                    await drawing.wait()
+                await redirected(self._core.client, attempt)
+            except Exception:
+                # It only delays runs: the first step to find it past its deadline takes it out.
+                logger.debug("could not take %r out of :arriving", member, exc_info=True)
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
@@ -211,7 +267,9 @@ class WatchedSteps:
         # when it arrived (or here, for one queued again) and kept through
         # retries: waiting out a busy lock never costs it its place.
         unticketed = [m for m in members if m not in self._tickets] if step is Step.WAIT else []
-        reads = self._reads(step, members, call, server_time=now is None)
+        self._on_the_way.update(unticketed)
+        window = self._window(step, members)
+        reads = self._reads(members, call, window=window, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
         # the lock may be ours: a compare-and-delete with our own owner value
         # is safe even if the SET never happened.
@@ -224,17 +282,23 @@ class WatchedSteps:
                 if replies is None:
                     locked = False
                     return None
-                now = _parse_time(replies[20]) if now is None else now
-                state = self._read_state(connection, replies, now, members, call)
-                if past := past_cutoff(state.leases, now, state.lease):
-                    # Only when a permit is past this object's lease: its own may be longer.
-                    state = dataclasses.replace(state, records=await self._records(connection, past))
-                decision = plan_step(state, step, members)
-                committed, reply = await self._commit(connection, decision, step)
-                locked = committed is None
-                if not locked:
-                    for member in members:
-                        self._tickets.pop(member, None)
+                now = _parse_time(replies[22]) if now is None else now
+                state = self._read_state(connection, replies, now, members, call, window=window)
+                if step is Step.WAIT and self._lost_places(state, members):
+                    # Their tickets are drawn again on the step's next try: nothing is written but the lock's end.
+                    replies = await connection.batch(("MULTI",), ("DEL", self._core.keys.lock), ("EXEC",))
+                    locked = replies[-1] is None
+                else:
+                    if past := past_cutoff(state.leases, now, state.lease):
+                        # Only when a permit is past this object's lease: its own may be longer.
+                        state = dataclasses.replace(state, records=await self._records(connection, past))
+                    decision = plan_step(state, step, members)
+                    committed, reply = await self._commit(connection, decision, step)
+                    locked = committed is None
+                    if not locked:
+                        for member in members:
+                            self._tickets.pop(member, None)
+                            self._on_the_way.discard(member)
         except BaseException as error:
             if locked:
                 await self._free_lock(owner, error)
@@ -243,16 +307,9 @@ class WatchedSteps:
             await self._free_lock(owner)
         return None if committed is None else reply
 
-    def _reads(self, step: Step, members: Sequence[bytes], call: str, *, server_time: bool) -> list[Command]:
+    def _reads(self, members: Sequence[bytes], call: str, *, window: int, server_time: bool) -> list[Command]:
         """What a step reads under WATCH, the WATCH first: `_read_state` makes a `ReadState` of their replies."""
         keys = self._core.keys
-        # The queue is read only as far as a step can reach: its head, as far
-        # as the limit in force as last heard (or as set by this step), its
-        # earliest presumed deaths, and the step's own identifiers.
-        limits = [self._core.settings.limit or 0, self._core.last.limit or 0]
-        if step is Step.LIMIT:
-            limits += [int(member) for member in members if member]
-        window = max(limits) + len(members) + _QUEUE_WINDOW
         reads: list[Command] = [
             # Not the tickets: others take theirs outside the lock.
             ("WATCH", keys.lock, *keys.fair[:6], keys.limit, keys.holders, keys.weight),
@@ -274,12 +331,52 @@ class WatchedSteps:
         # only this call writes its receipt.
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
         reads.append(("GET", keys.weight))
+        reads.append(("ZRANGE", keys.arriving, 0, window - 1, "WITHSCORES"))
+        reads.append(("ZMSCORE", keys.arriving, *members) if members else ("PING",))
         if server_time:
             reads.append(("TIME",))
         return reads
 
+    def _window(self, step: Step, members: Sequence[bytes]) -> int:
+        """How far a step reads the queue and ``:arriving``.
+
+        Only as far as a step can reach: the queue's head, as far as the
+        limit in force as last heard (or as set by this step), its earliest
+        presumed deaths, and the step's own identifiers.
+        """
+        limits = [self._core.settings.limit or 0, self._core.last.limit or 0]
+        if step is Step.LIMIT:
+            limits += [int(member) for member in members if member]
+        return max(limits) + len(members) + _QUEUE_WINDOW
+
+    def _lost_places(self, state: ReadState, members: Sequence[bytes]) -> bool:
+        """Drop the tickets of ``members`` no longer arriving in Redis, and answer whether there were any.
+
+        A waiter about to be queued with its ticket must still be arriving:
+        past its deadline, anyone may have relayed a run as if it were gone,
+        and the ticket could put it ahead of that run. It takes a new one.
+        """
+        lost = [
+            member
+            for member in members
+            if member in self._tickets
+            and member not in state.queued
+            and member not in state.owners
+            and state.own_arrivals.get(member, -math.inf) <= state.now
+        ]
+        for member in lost:
+            del self._tickets[member]
+        return bool(lost)
+
     def _read_state(
-        self, connection: PinnedConnection, replies: list[Any], now: float, members: Sequence[bytes], call: str
+        self,
+        connection: PinnedConnection,
+        replies: list[Any],
+        now: float,
+        members: Sequence[bytes],
+        call: str,
+        *,
+        window: int,
     ) -> ReadState:
         """What `_reads` found, as `plan_step` takes it: ``replies`` are theirs, the lock's ``SET`` first."""
 
@@ -289,6 +386,7 @@ class WatchedSteps:
 
         keys = self._core.keys
         stored_limit, limit_set = decode_limit(replies[11])
+        arrivals = _parse_zset(connection, replies[20])
         return ReadState(
             keys,
             now=now,
@@ -317,6 +415,12 @@ class WatchedSteps:
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
             record=self._core.settings.record(),
             extra_weight=int(replies[19] or 0),
+            # As the fair class: with replicas to wait for, every grant waits for them instead.
+            relays=not self._core.settings.replicas,
+            arrivals=arrivals,
+            arrivals_whole=len(arrivals) < window,
+            own_arrivals=scores(replies[21]),
+            tickets_held=dict(self._tickets),
         )
 
     async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:
@@ -340,7 +444,7 @@ class WatchedSteps:
         take: Command = ("SET", keys.lock, owner, "NX", "PX", self._lock_ms)
         tickets: list[Command] = []
         if unticketed:
-            tickets += self._ticket_draw(len(unticketed))
+            tickets += self._ticket_draw(unticketed)
         waiting = lane in self._lock_seen_busy
         if waiting:
             # Waiting for a busy lock: each try of the step takes the lock and
@@ -353,7 +457,7 @@ class WatchedSteps:
             # that our own lock does not dirty it.
             replies = await connection.batch(*tickets, take, *reads)
         if unticketed:
-            last = int(replies[0])
+            last = _last_ticket(replies[: len(tickets)])
             for offset, member in enumerate(unticketed, start=last - len(unticketed) + 1):
                 self._tickets[member] = offset
         replies = replies[len(tickets) :]
@@ -386,7 +490,7 @@ class WatchedSteps:
 
         The unlock is a task of its own, which `aclose` waits for.
         """
-        unlocking = self._unlocking.start(self._unlock(owner), name="aiosem unlock")
+        unlocking = self._background.start(self._unlock(owner), name="aiosem unlock")
         if error is not None and (
             isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time()
         ):
@@ -445,6 +549,11 @@ def _parse_zset(connection: PinnedConnection, reply: list[Any]) -> dict[bytes, f
     if reply and isinstance(reply[0], list):
         return {connection.encode(member): float(score) for member, score in reply}
     return {connection.encode(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
+def _last_ticket(replies: list[Any]) -> int:
+    """The last ticket a `WatchedSteps._ticket_draw` drew, from its replies: the INCRBY's."""
+    return int(replies[1])
 
 
 def _parse_time(reply: list[Any]) -> float:

@@ -8,9 +8,6 @@ queueing, tombstones, receipts and TTLs, with the constants of
 ``_rules.py`` -- so both classes behave identically on the same data;
 ``tests/test_differential.py`` runs the two side by side to hold it to
 that. It does no I/O and changes nothing it is given.
-
-The relay is the one thing it leaves out: the locked class never relays a
-mutex, so it never sends `Step.PASS`.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 from ._keys import weight_of
 from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, TOO_HEAVY, Operation, Reply, Step
-from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
+from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, RUN_LENGTH, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -75,6 +72,14 @@ class ReadState:
             finds: the reaper spares those whose own lease is longer.
         extra_weight: ``:weight``: how much more than 1 each permit held
             weighs, together.
+        relays: Whether the caller relays a mutex granted to one of its
+            waiters through its waiters queued right behind it (a run).
+        arrivals: The first entries of ``:arriving``, by deadline: waiters
+            that hold a ticket and are not queued yet.
+        arrivals_whole: Whether that is all of ``:arriving``.
+        own_arrivals: The step's identifiers' scores in ``:arriving``.
+        tickets_held: The tickets of the caller's waiters not queued yet,
+            the step's own among them.
     """
 
     keys: SemaphoreKeys
@@ -104,6 +109,11 @@ class ReadState:
     records: Mapping[bytes, bytes] = field(default_factory=dict)
     limit_set: bool = False
     extra_weight: int = 0
+    relays: bool = False
+    arrivals: Mapping[bytes, float] = field(default_factory=dict)
+    arrivals_whole: bool = True
+    own_arrivals: Mapping[bytes, float] = field(default_factory=dict)
+    tickets_held: Mapping[bytes, int] = field(default_factory=dict)
 
 
 def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
@@ -132,11 +142,9 @@ class Decision:
 def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decision:
     """Decide a step on ``members`` from ``state``, as the fair script of ``step`` would.
 
-    Raises:
-        ValueError: ``step`` is `Step.PASS`: nothing relays through a locked step.
+    A `Step.PASS` takes its members in threes: holder, successor (``b""``:
+    none), the successor's token.
     """
-    if step is Step.PASS:
-        raise ValueError("a locked step never relays, so it never passes a permit on")
     draft = _Draft(state)
     operation = step.operation
     if step is Step.LIMIT:
@@ -155,6 +163,13 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
             if member not in answered:
                 answered[member] = draft.acquire(member, step)
         values = [answered[member] for member in members]
+    elif step is Step.PASS:
+        values = []
+        for holder, successor, token in zip(members[::3], members[1::3], members[2::3], strict=True):
+            released = draft.release(holder, step)
+            values += [released, draft.pass_on(successor, token, released), 0]
+        if state.receipt is not None:
+            values = draft.with_receipt(state.receipt, values, stride=3)
     elif operation is Operation.RELEASE:
         values = [draft.release(member, step) for member in members]
         if state.receipt is not None:
@@ -189,6 +204,8 @@ class _Draft:
         "refreshed_holders",
         "refreshed_waiters",
         "refusal",
+        "relayed",
+        "run_below",
         "served_first",
         "spared",
         "state",
@@ -212,6 +229,7 @@ class _Draft:
         self.waiters_written = False
         self.writes: list[Command] = []
         self.granted: list[tuple[str, int]] = []
+        self.relayed: list[tuple[str, int]] = []
         self.refreshed_holders: list[bytes] = []
         self.refreshed_waiters: list[bytes] = []
         # Compared as the scripts compare: with the bounds as sent to Redis,
@@ -260,6 +278,39 @@ class _Draft:
         self.queued = {member for member in state.queued if member not in gone}
         self.alive = {member for member, until in state.alive_until.items() if until > now}
         self.cancelled = {member for member, until in state.cancelled.items() if until > now}
+        #: A run relays only waiters whose tickets are below this (see `_settle_arrivals`).
+        self.run_below = self._settle_arrivals(now)
+
+    def _settle_arrivals(self, now: float) -> float:
+        """Take the step's identifiers and the waiters gone out of ``:arriving``; give the others a deadline.
+
+        Answers the ticket below which a run may be relayed. Any waiter
+        arriving may have come before the run, and be queued ahead of it
+        once the run is under way: one of the caller's own, whose ticket it
+        knows, cuts the run at its ticket; one of anyone else's, or a
+        ``:arriving`` not read whole, stops it.
+        """
+        state, key = self.state, self.state.keys.arriving
+        gone = [member for member, until in state.arrivals.items() if until <= now]
+        ended = [member for member in state.own_arrivals if member not in gone]
+        if gone or ended:
+            self.writes.append(("ZREM", key, *gone, *ended))
+        # Seen for the first time: presumed gone a waiter timeout from now, unless queued by then.
+        new = [member for member, until in state.arrivals.items() if until == math.inf and member not in ended]
+        if new:
+            deadline = _seconds(state.now + state.waiter_ttl)
+            self.writes.append(("ZADD", key, "XX", *(item for member in new for item in (deadline, member))))
+        if not state.arrivals_whole:
+            return -math.inf
+        run_below = math.inf
+        for member, until in (*state.arrivals.items(), *state.own_arrivals.items()):
+            if until <= now:
+                continue
+            ticket = state.tickets_held.get(member) if _owner(member) == state.caller else None
+            if ticket is None:
+                return -math.inf
+            run_below = min(run_below, ticket)
+        return run_below
 
     def _recount_weight(self) -> None:
         """As the scripts' aiosem_recount_weight: :weight again, from the permits held."""
@@ -274,23 +325,29 @@ class _Draft:
         if self.extra <= 0:
             self.writes.append(("DEL", self.state.keys.weight))
 
+    def next_tokens(self, count: int) -> int:
+        """As the scripts' aiosem_next_tokens: the first of ``count`` tokens, never below the clock in microseconds."""
+        first = max(self.counter + 1, math.floor(self.state.now * 1_000_000))
+        self.counter = first + count - 1
+        return first
+
     def grant(self, member: bytes, stamp: float) -> int:
         """As the scripts' aiosem_hold, with the next token."""
-        state = self.state
-        # As the scripts' aiosem_next_tokens: never below the clock in microseconds.
-        self.counter = max(self.counter + 1, math.floor(state.now * 1_000_000))
-        self.owners[member] = self.counter
+        token = self.next_tokens(1)
+        self.hold(member, token, stamp)
+        return token
+
+    def hold(self, member: bytes, token: int, stamp: float) -> None:
+        """As the scripts' aiosem_hold."""
+        keys = self.state.keys
+        self.owners[member] = token
         score = _seconds(stamp)
         self.leases[member] = float(score)
-        self.writes += [
-            ("ZADD", state.keys.owner_set, self.counter, member),
-            ("ZADD", state.keys.timeout_set, score, member),
-        ]
+        self.writes += [("ZADD", keys.owner_set, token, member), ("ZADD", keys.timeout_set, score, member)]
         weight = weight_of(member)
         if weight > 1:
             self._add_weight(weight - 1)
         self.held += weight
-        return self.counter
 
     def enter(self, member: bytes) -> None:
         """As the scripts' aiosem_enter_all: an identifier queued or granted straight away is stored with its record."""
@@ -348,6 +405,47 @@ class _Draft:
             self.leave_queue(heads)
         for owner, grants in messages.items():
             self.writes.append((state.publish, state.keys.channels + owner, "".join(grants)))
+        if heads:
+            self.relay_run(heads[0])
+
+    def relay_run(self, head: bytes) -> None:
+        """As the scripts' aiosem_relay_run: a mutex just handed to the caller's ``head`` goes on through its run.
+
+        The run is the caller's unweighted waiters queued right behind it,
+        up to the first of anyone else: each gets its token now, stays
+        queued, and is named in the reply.
+        """
+        state = self.state
+        if not state.relays or self.limit != 1 or _owner(head) != state.caller:
+            return
+        run: list[bytes] = []
+        for member in self.heads[:RUN_LENGTH]:
+            if _owner(member) != state.caller or weight_of(member) != 1 or state.queue_head[member] >= self.run_below:
+                break
+            run.append(member)
+        if run:
+            first = self.next_tokens(len(run))
+            self.relayed += [(member.decode(), token) for token, member in enumerate(run, start=first)]
+
+    def pass_on(self, successor: bytes, token: bytes, released: int) -> int:
+        """As fair_release's pass: a relayed mutex installed with its successor, as the queue's head; its token or 0."""
+        if not successor:
+            return 0
+        if successor in self.owners:
+            # Installed by a pass sent before, or handed the permit from the queue's head.
+            return self.owners[successor]
+        if self.limit is not None:
+            if self.held + weight_of(successor) > self.limit:
+                return 0
+        elif released == 0:
+            return 0
+        if not self.heads or self.heads[0] != successor:
+            return 0
+        del self.heads[0]
+        self.leave_queue([successor])
+        self.hold(successor, int(token), self.state.now)
+        self.freed -= released
+        return int(token)
 
     def set_limit(self, member: bytes) -> int:
         """As fair_acquire's set_limit: a limit in force from now on (``b""``: clear one set); the one stored before."""
@@ -457,12 +555,17 @@ class _Draft:
                 ]
         return 0
 
-    def with_receipt(self, receipt: str, values: list[int]) -> list[int]:
-        """As the release script: what an earlier try of the call released counts as released, and is noted."""
+    def with_receipt(self, receipt: str, values: list[int], stride: int = 1) -> list[int]:
+        """As the release script: what an earlier try of the call released counts as released, and is noted.
+
+        With a ``stride`` of 3 (a pass), only every third value is a release: the others are noted as 0.
+        """
         earlier = self.state.earlier_receipt
-        values = [value or int(earlier[i : i + 1] == b"1") for i, value in enumerate(values)]
-        if any(values):
-            noted = "".join(str(value) for value in values)
+        values = [
+            value or int(earlier[i : i + 1] == b"1") if i % stride == 0 else value for i, value in enumerate(values)
+        ]
+        noted = "".join(str(value) if i % stride == 0 else "0" for i, value in enumerate(values))
+        if "1" in noted:
             self.writes.append(("SET", receipt, noted, "PX", math.ceil(self.state.receipt_seconds * 1000)))
         return values
 
@@ -526,6 +629,7 @@ class _Draft:
                 next_expiry=min(left) / 1_000_000 if left else None,
                 values=tuple(values),
                 granted=tuple(self.granted),
+                relayed=tuple(self.relayed),
             ),
         )
 

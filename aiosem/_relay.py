@@ -1,7 +1,7 @@
 """The relay: a mutex handed through a run of one object's waiters without a round trip each.
 
-Only `AsyncFairSemaphore` relays (its scripts form the runs; the lock-based
-steps of `AsyncLockedSemaphore` never do). When a step grants a mutex to one
+Both classes relay: the fair scripts form the runs, and so does the plan of
+`AsyncLockedSemaphore`'s steps. When a step grants a mutex to one
 of the calling object's waiters, it also names the run of that object's
 waiters queued right behind it, with their tokens. Each holder of the run
 gives the mutex to the next waiter at once, within the process, and tells

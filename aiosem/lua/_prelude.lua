@@ -29,7 +29,10 @@ local HOLDERS = KEYS[9]    -- identifier -> its record (see aiosem_enter_all), w
                            -- it holds or waits
 local WEIGHT = KEYS[10]    -- how much more than 1 each permit held weighs (see
                            -- aiosem_weight), together; absent for 0
-local RECEIPT = KEYS[11]   -- what this call released, if it is a release with
+local ARRIVING = KEYS[11]  -- waiters of the Lua-free class that hold a ticket
+                           -- and are not queued yet -> when they are presumed
+                           -- gone (s), or inf until a Lua-free step sees them
+local RECEIPT = KEYS[12]   -- what this call released, if it is a release with
                            -- an id: one '1' or '0' per identifier
 --
 -- and the same arguments:
@@ -325,9 +328,15 @@ end
 -- heard of its grant, a lease run out -- the permit goes from the queue's
 -- head to them all the same. With one permit nobody else can be served
 -- before the run ends, so arrival order holds; another process's waiter
--- ends the run. Appends identifier and token of each to `relayed`.
+-- ends the run. A waiter of the Lua-free class that holds a ticket and is not
+-- queued yet may have come before the run: while one is on its way, nothing
+-- is relayed. Appends identifier and token of each to `relayed`.
 local function aiosem_relay_run(head, state, relayed)
   if not state.relays or state.limit ~= 1 or aiosem_owner(head) ~= state.caller then
+    return
+  end
+  local now = '(' .. aiosem_seconds(state.now)
+  if #redis.call('ZRANGEBYSCORE', ARRIVING, now, '+inf', 'LIMIT', 0, 1) > 0 then
     return
   end
   local behind = redis.call('ZRANGE', QUEUE, 0, RUN_LENGTH - 1)

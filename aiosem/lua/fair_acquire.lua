@@ -1,8 +1,8 @@
 -- Grant permits of a fair semaphore, or queue for them.
 --
--- KEYS: the eleven of every fair script (see the prelude): TIMEOUTS, OWNERS,
--- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, WEIGHT, RECEIPT
--- (unused here).
+-- KEYS: the twelve of every fair script (see the prelude): TIMEOUTS, OWNERS,
+-- COUNTER, QUEUE, WAITERS, CANCELLED, TICKETS, LIMIT, HOLDERS, WEIGHT, ARRIVING,
+-- RECEIPT (unused here).
 -- ARGV: the prelude's; ARGV[3] is the caller's limit ('': the stored one),
 -- ARGV[8] the mode, ARGV[12] the record of the identifiers it queues or
 -- grants, ARGV[13..] the identifiers.

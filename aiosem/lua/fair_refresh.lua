@@ -1,6 +1,6 @@
 -- Refresh holders and waiters of a fair semaphore.
 --
--- KEYS: the eleven of every fair script (see the prelude); RECEIPT is unused.
+-- KEYS: the twelve of every fair script (see the prelude); RECEIPT is unused.
 -- ARGV: the prelude's; the mode is ignored, ARGV[13..] are the identifiers.
 -- Returns the prelude's reply; the results, per identifier: the fencing
 -- token if it holds a permit (its lease restarts now; this is also how a

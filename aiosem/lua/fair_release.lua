@@ -1,7 +1,7 @@
 -- Release permits of a fair semaphore, handing each freed permit to the
 -- longest-waiting waiter in the same step.
 --
--- KEYS: the eleven of every fair script (see the prelude); RECEIPT is this
+-- KEYS: the twelve of every fair script (see the prelude); RECEIPT is this
 -- call's receipt.
 -- ARGV: the prelude's; ARGV[8] is the mode, ARGV[9] the call's id, ARGV[10]
 -- how long its receipt is kept, ARGV[13..] the identifiers. Without a limit

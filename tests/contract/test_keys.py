@@ -144,6 +144,7 @@ def test_the_layout_is_the_books_under_the_base_key() -> None:
         "app:{db}:limit",
         "app:{db}:holders",
         "app:{db}:weight",
+        "app:{db}:arriving",
     )
     assert keys.channels == "app:{db}:wake:"
 

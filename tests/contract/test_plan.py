@@ -46,19 +46,24 @@ def a_busy_state() -> ReadState:
     )
 
 
-@pytest.mark.parametrize("step", [step for step in Step if step is not Step.PASS], ids=lambda step: step.name)
+@pytest.mark.parametrize("step", list(Step), ids=lambda step: step.name)
 def test_a_plan_changes_nothing_it_is_given(step: Step) -> None:
     state = a_busy_state()
-    members = [b"3", b""] if step is Step.LIMIT else [b"ab12.held", b"cd34.waiting", b"ab12.gone", b"ab12.new"]
+    members = [b"ab12.held", b"cd34.waiting", b"ab12.gone", b"ab12.new"]
+    if step is Step.LIMIT:
+        members = [b"3", b""]
+    elif step is Step.PASS:
+        members = [b"ab12.held", b"cd34.waiting", b"8"]
     given = copy.deepcopy((state, members))
     decision = plan_step(state, step, members)
     assert (state, members) == given
     assert plan_step(state, step, members) == decision  # and decides the same again
 
 
-def test_a_locked_step_never_passes_a_permit_on() -> None:
-    with pytest.raises(ValueError, match="never relays"):
-        plan_step(a_busy_state(), Step.PASS, [b"ab12.held", b"ab12.next", b"8"])
+def test_a_pass_to_a_waiter_not_at_the_queues_head_installs_nothing_and_the_head_is_served() -> None:
+    decision = plan_step(a_busy_state(), Step.PASS, [b"ab12.held", b"ab12.not-queued", b"8"])
+    assert decision.reply.values == (1, 0, 0)
+    assert [identifier for identifier, _ in decision.reply.granted] == ["cd34.waiting"]
 
 
 def a_permit_past_the_lease(record: bytes) -> ReadState:
@@ -98,3 +103,86 @@ def test_a_step_records_who_it_queues_or_grants_and_nobody_else() -> None:
     recorded = [write for write in decision.writes if write[0] == "HSET"]
     # The holder is recorded already; the newcomer queues (the limit is reached).
     assert recorded == [("HSET", keys.holders, b"ab12.new", '[10000,7,"here","me"]')]
+
+
+def a_mutex_before_a_run(**arriving: object) -> ReadState:
+    """The caller holds the mutex, three of its waiters queued behind (tickets 1 to 3): its release forms a run."""
+    queue = {b"ab12.w1": 1.0, b"ab12.w2": 2.0, b"ab12.w3": 3.0}
+    return ReadState(
+        SemaphoreKeys.for_name("aiosem", "plan"),
+        now=NOW,
+        lease=10.0,
+        limit=1,
+        waiter_ttl=2.0,
+        caller="ab12",
+        publish="PUBLISH",
+        leases={b"ab12.held": NOW - 1},
+        owners={b"ab12.held": 7.0},
+        counter=7,
+        queue_head=queue,
+        queue_size=3,
+        earliest_deaths=dict.fromkeys(queue, NOW + 1),
+        queued={},
+        alive_until={},
+        cancelled={},
+        stored_limit=1,
+        permit_ttls=(-1, -1, -1),
+        queue_ttls=(-1, -1, -1),
+        relays=True,
+        **arriving,  # type: ignore[arg-type]
+    )
+
+
+def relayed_by_release(state: ReadState) -> list[str]:
+    decision = plan_step(state, Step.RELEASE, [b"ab12.held"])
+    assert [identifier for identifier, _ in decision.reply.granted] == ["ab12.w1"]
+    return [identifier for identifier, _ in decision.reply.relayed]
+
+
+def test_with_nobody_arriving_the_callers_waiters_behind_the_head_are_its_run() -> None:
+    assert relayed_by_release(a_mutex_before_a_run()) == ["ab12.w2", "ab12.w3"]
+
+
+@pytest.mark.parametrize("deadline", [float("inf"), NOW + 0.5], ids=["seen-first", "seen-before"])
+def test_another_processes_waiter_on_its_way_stops_the_run(deadline: float) -> None:
+    assert relayed_by_release(a_mutex_before_a_run(arrivals={b"cd34.late": deadline})) == []
+
+
+def test_a_book_identifier_on_its_way_stops_the_run() -> None:
+    assert relayed_by_release(a_mutex_before_a_run(arrivals={b"no-process": float("inf")})) == []
+
+
+def test_the_callers_own_waiter_on_its_way_cuts_the_run_at_its_ticket() -> None:
+    state = a_mutex_before_a_run(arrivals={b"ab12.on-its-way": float("inf")}, tickets_held={b"ab12.on-its-way": 3})
+    assert relayed_by_release(state) == ["ab12.w2"]
+
+
+def test_the_callers_own_waiter_whose_ticket_it_has_not_heard_yet_stops_the_run() -> None:
+    assert relayed_by_release(a_mutex_before_a_run(arrivals={b"ab12.drawing": float("inf")})) == []
+
+
+def test_arrivals_not_read_whole_stop_the_run() -> None:
+    assert relayed_by_release(a_mutex_before_a_run(arrivals_whole=False)) == []
+
+
+def test_a_waiter_whose_arrival_deadline_passed_is_taken_out_and_stops_nothing() -> None:
+    state = a_mutex_before_a_run(arrivals={b"cd34.gone": NOW})
+    assert relayed_by_release(state) == ["ab12.w2", "ab12.w3"]
+    assert ("ZREM", state.keys.arriving, b"cd34.gone") in plan_step(state, Step.RELEASE, [b"ab12.held"]).writes
+
+
+def test_an_arrival_seen_for_the_first_time_is_given_a_waiter_timeout_to_be_queued() -> None:
+    state = a_mutex_before_a_run(arrivals={b"cd34.new": float("inf"), b"cd34.seen": NOW + 1})
+    writes = plan_step(state, Step.RELEASE, [b"ab12.held"]).writes
+    assert ("ZADD", state.keys.arriving, "XX", f"{NOW + 2.0:.6f}", b"cd34.new") in writes
+    assert not [write for write in writes if write[0] == "ZADD" and b"cd34.seen" in write]
+
+
+def test_a_step_takes_its_own_waiters_out_of_the_arrivals() -> None:
+    state = dataclasses.replace(
+        a_mutex_before_a_run(own_arrivals={b"ab12.new": float("inf")}, tickets_held={b"ab12.new": 4}),
+        tickets={b"ab12.new": 4},
+    )
+    decision = plan_step(state, Step.WAIT, [b"ab12.new"])
+    assert decision.reply.values == (0,)  # queued
+    assert ("ZREM", state.keys.arriving, b"ab12.new") in decision.writes

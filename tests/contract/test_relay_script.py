@@ -1,7 +1,7 @@
 """The fair scripts' relay and pass, against a model of a mutex with a queue.
 
-The locked class never relays, so the differential test runs the scripts
-with the relay off; this test holds the relay itself to a model. At limit
+The differential test holds the locked class's relay to the scripts'; this
+test holds the scripts' relay itself to a model. At limit
 1, on one fake clock, hypothesis drives one semaphore through waits of the
 caller's and another process's waiters, releases, passes along the relayed
 run (and past it: to a waiter that is not the queue's head, to one that
