@@ -337,7 +337,7 @@ async def test_a_locked_waiter_taken_for_gone_on_its_way_is_queued_behind_those_
     # :arriving goes, as when a step found it past its deadline: a run may
     # have been relayed since as if it were gone, so its first ticket could
     # put it ahead of that run. It takes a new one, behind the waiter that
-    # came after it.
+    # came after it. (With the whole key evicted: tests/faults/test_eviction.py.)
     first, second = (AsyncLockedSemaphore(real_client, "relay-lost-place", 1) for _ in range(2))
     keys = first._core.keys
     holder = await first.acquire()

@@ -663,6 +663,33 @@ async def test_with_its_ticket_counter_evicted_the_next_waiters_are_queued_ahead
     assert await served_in_order(fresh_redis_server, cls, "overtaken", evict) == ["second", "first"]
 
 
+async def test_with_arriving_evicted_a_locked_waiter_on_its_way_draws_its_ticket_again_behind_everyone(
+    fresh_redis_server: RedisServer, admin: redis.asyncio.Redis
+) -> None:
+    client = fresh_redis_server.client()
+    sem = AsyncLockedSemaphore(client, "arriving-evicted", 1)
+    keys = sem._core.keys
+    held = await sem.acquire()
+    assert held is not None
+    # Its step waits for a step lock held by hand, its ticket drawn (the holder's acquire drew ticket 1).
+    assert await admin.set(keys.lock, "held by the test", px=60_000)
+    try:
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(sem.acquire)
+                while await admin.get(keys.tickets) != b"2":  # noqa: ASYNC110 -- Redis's state: no event
+                    await anyio.sleep(0.01)
+                await admin.delete(keys.arriving)
+                await admin.delete(keys.lock)
+                await until_queued(sem)
+                assert await admin.zcard(keys.queue) == 1
+                assert await admin.zcount(keys.queue, 3, 3) == 1  # its ticket drawn again
+                assert await sem.release(held)
+    finally:
+        await sem.aclose()
+        await client.aclose()
+
+
 async def test_with_its_tombstones_evicted_an_acquire_cancelled_on_its_way_takes_a_permit_until_its_lease(
     cls: SemaphoreClass, fresh_redis_server: RedisServer, admin: redis.asyncio.Redis, clock: FakeClock
 ) -> None:
