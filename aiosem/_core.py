@@ -74,6 +74,9 @@ class Backend(Protocol):
     async def arrive(self, identifier: str) -> None:
         """Note a blocking acquire's arrival, before its first step."""
 
+    async def withdraw(self, identifiers: Sequence[str]) -> None:
+        """Take back what arriving wrote of acquires given up before a step queued them."""
+
     def forget(self, identifier: str) -> None:
         """Drop what the backend keeps about an identifier whose acquire ended."""
 

@@ -164,6 +164,9 @@ class ScriptedSteps:
     async def arrive(self, identifier: str) -> None:
         """Nothing to do: a script queues a waiter in the step that finds it must wait."""
 
+    async def withdraw(self, identifiers: Sequence[str]) -> None:
+        """Nothing to take back: arriving wrote nothing."""
+
     def forget(self, identifier: str) -> None:
         """Nothing to forget: nothing is kept about a waiter."""
 

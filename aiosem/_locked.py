@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -28,7 +29,7 @@ from ._timing import Bound, step_bound
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
 
     from typing_extensions import Unpack
 
@@ -132,7 +133,6 @@ class WatchedSteps:
     """
 
     __slots__ = (
-        "_background",
         "_core",
         "_drawing",
         "_lock_ms",
@@ -140,6 +140,7 @@ class WatchedSteps:
         "_on_the_way",
         "_ticket_lane",
         "_tickets",
+        "_unlocking",
     )
 
     #: Its plan relays a mutex granted to one of the caller's waiters through the run queued behind it,
@@ -153,23 +154,23 @@ class WatchedSteps:
         self._lock_ms = min(max(1, math.ceil(check_timeout(lock_timeout, "lock_timeout") * 1000)), share_ms)
         #: The lanes -- a lane runs one step at a time -- whose last try found the lock busy.
         self._lock_seen_busy: set[Step] = set()
-        #: Unlocks after interrupted steps, and arrivals taken back, under way: for `close` to wait for.
-        self._background = Background()
+        #: Unlocks under way after interrupted steps, for `close` to wait for.
+        self._unlocking = Background()
         #: The tickets of waiters not yet queued.
         self._tickets: dict[bytes, int] = {}
         #: The waiters that may be in ``:arriving``: their tickets drawn, or being drawn, and not queued yet.
         self._on_the_way: set[bytes] = set()
-        #: The waiters whose tickets are being drawn by `arrive`: set once the draw has ended.
+        #: The waiters whose tickets are being drawn: set once the draw has ended, or failed.
         self._drawing: dict[bytes, asyncio.Event] = {}
         self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
 
     async def close(self) -> None:
-        """Wait for arrivals taken back, and unlocks of steps interrupted (each bounded by the lock's lifetime)."""
+        """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""
         loop = asyncio.get_running_loop()
-        running = [task for task in self._background if task.get_loop() is loop]
-        if running:
+        unlocking = [task for task in self._unlocking if task.get_loop() is loop]
+        if unlocking:
             with anyio.CancelScope(shield=True):
-                await asyncio.wait(running)
+                await asyncio.wait(unlocking)
 
     async def arrive(self, identifier: str) -> None:
         # A waiter's place is taken when it arrives, before it meets the lock:
@@ -195,17 +196,22 @@ class WatchedSteps:
             async with pinned_connection(client, self._core.keys.tickets) as connection:
                 return await connection.retried(lambda: connection.batch(*draw))
 
+        with self._being_drawn([identifier.encode() for identifier in identifiers]):
+            last = _last_ticket(await redirected(client, attempt))
+        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+
+    @contextlib.contextmanager
+    def _being_drawn(self, members: Sequence[bytes]) -> Iterator[None]:
+        """Within the block, the tickets of ``members`` are being drawn: `withdraw` waits for the block's end."""
         drawn = asyncio.Event()
-        members = [identifier.encode() for identifier in identifiers]
         self._drawing.update(dict.fromkeys(members, drawn))
         try:
-            last = _last_ticket(await redirected(client, attempt))
+            yield
         finally:
             drawn.set()
             for member in members:
                 if self._drawing.get(member) is drawn:
                     del self._drawing[member]
-        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
 
     def _ticket_draw(self, identifiers: Sequence[str | bytes]) -> list[Command]:
         """Note ``identifiers`` arriving, then draw a ticket for each.
@@ -230,29 +236,34 @@ class WatchedSteps:
     def forget(self, identifier: str) -> None:
         member = identifier.encode()
         self._tickets.pop(member, None)
-        if member in self._on_the_way:
-            # Its acquire ended before a step queued it (cancelled while it
-            # drew its ticket, say): left in :arriving, it would stop every
-            # run until a step found it past its deadline.
-            self._on_the_way.discard(member)
-            self._background.start(self._take_back(member), name="aiosem arrival taken back")
+        self._on_the_way.discard(member)
 
-    async def _take_back(self, member: bytes) -> None:
+    async def withdraw(self, identifiers: Sequence[str]) -> None:
+        # An acquire given up before a step queued it (cancelled while it
+        # drew its ticket, say): left in :arriving, it would stop every run
+        # until a step found it past its deadline. Bounded as a step: past
+        # that, it is only that.
+        members = [
+            member for member in (identifier.encode() for identifier in identifiers) if member in self._on_the_way
+        ]
+        if not members:
+            return
         keys = self._core.keys
 
         async def attempt() -> None:
             async with pinned_connection(self._core.client, keys.arriving) as connection:
-                await connection.batch(("ZREM", keys.arriving, member))
+                await connection.batch(("ZREM", keys.arriving, *members))
 
         with anyio.move_on_after(step_bound(self._core.settings.timeout)):
+            # Behind the draws' own writes of them: from another connection, the ZREM could overtake them.
+            for drawn in {self._drawing[member] for member in members if member in self._drawing}:
+                await drawn.wait()
             try:
-                if (drawing := self._drawing.get(member)) is not None:
-                    # Behind the draw's own write of it: from another connection, it could overtake.
-                    await drawing.wait()
                 await redirected(self._core.client, attempt)
             except Exception:
-                # It only delays runs: the first step to find it past its deadline takes it out.
-                logger.debug("could not take %r out of :arriving", member, exc_info=True)
+                logger.debug("could not take %r out of :arriving", members, exc_info=True)
+            else:
+                self._on_the_way.difference_update(members)
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
@@ -260,14 +271,19 @@ class WatchedSteps:
         # its first reply: let the cancellation land before anything is sent.
         while anyio.current_effective_deadline() <= anyio.current_time():
             await anyio.lowlevel.checkpoint()
-        owner = secrets.token_hex(16)
-        now = self._core.now()
         members = [identifier.encode() for identifier in identifiers]
         # A waiter's place in the queue is its ticket, drawn outside the lock
         # when it arrived (or here, for one queued again) and kept through
         # retries: waiting out a busy lock never costs it its place.
         unticketed = [m for m in members if m not in self._tickets] if step is Step.WAIT else []
         self._on_the_way.update(unticketed)
+        with self._being_drawn(unticketed):
+            return await self._execute(step, members, call, unticketed)
+
+    async def _execute(self, step: Step, members: list[bytes], call: str, unticketed: list[bytes]) -> Reply | None:
+        """`execute`, once the waiters that need one are known: ``unticketed`` are drawn their tickets."""
+        owner = secrets.token_hex(16)
+        now = self._core.now()
         window = self._window(step, members)
         reads = self._reads(members, call, window=window, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
@@ -298,7 +314,10 @@ class WatchedSteps:
                     if not locked:
                         for member in members:
                             self._tickets.pop(member, None)
-                            self._on_the_way.discard(member)
+                        if step is Step.WAIT:
+                            # Queued, granted or refused: its entry went in this step. (A cancel's may
+                            # still be on its way in the waiter's first step: `withdraw` waits for it.)
+                            self._on_the_way.difference_update(members)
         except BaseException as error:
             if locked:
                 await self._free_lock(owner, error)
@@ -490,7 +509,7 @@ class WatchedSteps:
 
         The unlock is a task of its own, which `aclose` waits for.
         """
-        unlocking = self._background.start(self._unlock(owner), name="aiosem unlock")
+        unlocking = self._unlocking.start(self._unlock(owner), name="aiosem unlock")
         if error is not None and (
             isinstance(error, Exception) or anyio.current_effective_deadline() <= anyio.current_time()
         ):

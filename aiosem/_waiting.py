@@ -257,6 +257,8 @@ class WaitQueue:
             self._queued.pop(identifier, None)
             if submission.sent:
                 await self.give_up(identifier)
+            elif waiter is not None:
+                await self._withdraw([identifier])
             raise
         finally:
             self._leave(identifier, waiter)
@@ -334,6 +336,23 @@ class WaitQueue:
             await relay.relay(identifier)
         if others:
             await self._core.submit(Step.CANCEL, others)
+            # Behind the cancel: a waiter whose first step is still on its way may be noted arriving after it.
+            await self._core.backend.withdraw(others)
+
+    async def _withdraw(self, identifiers: Sequence[str]) -> None:
+        """Take back the arrival of acquires given up before their first step was sent, shielded and bounded."""
+        try:
+            await to_the_end(
+                self._core.backend.withdraw(identifiers),
+                name=f"taking back the arrival of an acquire of {self._core.semaphore!r}",
+            )
+        except Exception:
+            logger.warning(
+                "could not take back the arrival of an interrupted acquire of %r",
+                self._core.semaphore,
+                exc_info=True,
+                extra=log_fields(self._core.settings.name),
+            )
 
     def forget_claim(self, identifier: str) -> None:
         """Stop claiming the permit of ``identifier``: given up, or released before its claim."""
