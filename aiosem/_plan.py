@@ -306,7 +306,8 @@ class _Draft:
         for member, until in (*state.arrivals.items(), *state.own_arrivals.items()):
             if until <= now:
                 continue
-            ticket = state.tickets_held.get(member) if _owner(member) == state.caller else None
+            # Known only for the caller's own waiters: anyone else's stops the run.
+            ticket = state.tickets_held.get(member)
             if ticket is None:
                 return -math.inf
             run_below = min(run_below, ticket)
