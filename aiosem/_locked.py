@@ -285,7 +285,7 @@ class WatchedSteps:
         owner = secrets.token_hex(16)
         now = self._core.now()
         window = self._window(step, members)
-        reads = self._reads(members, call, window=window, server_time=now is None)
+        reads = self._reads(step, members, call, window=window, server_time=now is None)
         # Once the batch may have been sent, and until a reply says otherwise,
         # the lock may be ours: a compare-and-delete with our own owner value
         # is safe even if the SET never happened.
@@ -298,8 +298,8 @@ class WatchedSteps:
                 if replies is None:
                     locked = False
                     return None
-                now = _parse_time(replies[22]) if now is None else now
-                state = self._read_state(connection, replies, now, members, call, window=window)
+                now = _parse_time(replies[21]) if now is None else now
+                state = self._read_state(connection, replies, now, members, call, step=step, window=window)
                 if step is Step.WAIT and self._lost_places(state, members):
                     # Their tickets are drawn again on the step's next try: nothing is written but the lock's end.
                     replies = await connection.batch(("MULTI",), ("DEL", self._core.keys.lock), ("EXEC",))
@@ -326,7 +326,9 @@ class WatchedSteps:
             await self._free_lock(owner)
         return None if committed is None else reply
 
-    def _reads(self, members: Sequence[bytes], call: str, *, window: int, server_time: bool) -> list[Command]:
+    def _reads(
+        self, step: Step, members: Sequence[bytes], call: str, *, window: int, server_time: bool
+    ) -> list[Command]:
         """What a step reads under WATCH, the WATCH first: `_read_state` makes a `ReadState` of their replies."""
         keys = self._core.keys
         reads: list[Command] = [
@@ -351,9 +353,10 @@ class WatchedSteps:
         reads.append(("GET", keys.receipt(call)) if call else ("PING",))
         reads.append(("GET", keys.weight))
         reads.append(("ZRANGE", keys.arriving, 0, window - 1, "WITHSCORES"))
-        reads.append(("ZMSCORE", keys.arriving, *members) if members else ("PING",))
         if server_time:
             reads.append(("TIME",))
+        if _may_be_arriving(step, members):
+            reads.append(("ZMSCORE", keys.arriving, *members))
         return reads
 
     def _window(self, step: Step, members: Sequence[bytes]) -> int:
@@ -395,6 +398,7 @@ class WatchedSteps:
         members: Sequence[bytes],
         call: str,
         *,
+        step: Step,
         window: int,
     ) -> ReadState:
         """What `_reads` found, as `plan_step` takes it: ``replies`` are theirs, the lock's ``SET`` first."""
@@ -438,7 +442,7 @@ class WatchedSteps:
             relays=not self._core.settings.replicas,
             arrivals=arrivals,
             arrivals_whole=len(arrivals) < window,
-            own_arrivals=scores(replies[21]),
+            own_arrivals=scores(replies[-1]) if _may_be_arriving(step, members) else {},
             tickets_held=dict(self._tickets),
         )
 
@@ -568,6 +572,11 @@ def _parse_zset(connection: PinnedConnection, reply: list[Any]) -> dict[bytes, f
     if reply and isinstance(reply[0], list):
         return {connection.encode(member): float(score) for member, score in reply}
     return {connection.encode(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
+def _may_be_arriving(step: Step, members: Sequence[bytes]) -> bool:
+    """Whether a step's identifiers may be in ``:arriving``: only an acquire's first step, or its cancel, names one."""
+    return bool(members) and step in {Step.WAIT, Step.CANCEL}
 
 
 def _last_ticket(replies: list[Any]) -> int:
