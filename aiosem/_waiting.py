@@ -255,10 +255,8 @@ class WaitQueue:
             # must not queue it again.
             self._waiters.pop(identifier, None)
             self._queued.pop(identifier, None)
-            if submission.sent:
-                await self.give_up(identifier)
-            elif waiter is not None:
-                await self._withdraw([identifier])
+            if submission.sent or waiter is not None:
+                await self.give_up(identifier, sent=submission.sent)
             raise
         finally:
             self._leave(identifier, waiter)
@@ -298,12 +296,13 @@ class WaitQueue:
         if self._all_gone is not None:
             await self._all_gone.wait()
 
-    async def give_up(self, *identifiers: str) -> None:
+    async def give_up(self, *identifiers: str, sent: bool = True) -> None:
         """Leave the queue, give back any permit, and refuse a grant still on its way.
 
         A permit relayed to a waiter is relayed on; a waiter of a run that
         has not had it yet is passed over by the relay, and leaves the queue
-        as any other.
+        as any other. Without ``sent`` -- their first step was never sent --
+        only what their arrival wrote is taken back.
         """
         for identifier in identifiers:
             self.forget_claim(identifier)
@@ -316,7 +315,8 @@ class WaitQueue:
         self._giving_up.add(task)
         try:
             await to_the_end(
-                self._hand_back(relayed, others), name=f"giving back what an acquire of {self._core.semaphore!r} took"
+                self._hand_back(relayed, others, sent=sent),
+                name=f"giving back what an acquire of {self._core.semaphore!r} took",
             )
         except Exception:
             logger.warning(
@@ -329,30 +329,16 @@ class WaitQueue:
             self._giving_up.discard(task)
             self._note_if_all_gone()
 
-    async def _hand_back(self, relayed: Sequence[str], others: Sequence[str]) -> None:
+    async def _hand_back(self, relayed: Sequence[str], others: Sequence[str], *, sent: bool) -> None:
         relay = self._core.relay
         for identifier in relayed:
             assert relay is not None  # noqa: S101 -- only a relay holds a relayed permit
             await relay.relay(identifier)
         if others:
-            await self._core.submit(Step.CANCEL, others)
+            if sent:
+                await self._core.submit(Step.CANCEL, others)
             # Behind the cancel: a waiter whose first step is still on its way may be noted arriving after it.
             await self._core.backend.withdraw(others)
-
-    async def _withdraw(self, identifiers: Sequence[str]) -> None:
-        """Take back the arrival of acquires given up before their first step was sent, shielded and bounded."""
-        try:
-            await to_the_end(
-                self._core.backend.withdraw(identifiers),
-                name=f"taking back the arrival of an acquire of {self._core.semaphore!r}",
-            )
-        except Exception:
-            logger.warning(
-                "could not take back the arrival of an interrupted acquire of %r",
-                self._core.semaphore,
-                exc_info=True,
-                extra=log_fields(self._core.settings.name),
-            )
 
     def forget_claim(self, identifier: str) -> None:
         """Stop claiming the permit of ``identifier``: given up, or released before its claim."""
