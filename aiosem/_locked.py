@@ -431,8 +431,8 @@ class WatchedSteps:
             limit_set=limit_set,
             permit_ttls=(int(replies[12]), int(replies[13]), int(replies[14])),
             queue_ttls=(int(replies[15]), int(replies[16]), int(replies[17])),
-            # A copy: the plan reads what the step's own waiters were given.
-            tickets={member: self._tickets[member] for member in members if member in self._tickets},
+            # A copy: the plan reads what the object's waiters were given.
+            tickets=dict(self._tickets),
             receipt=keys.receipt(call) if call else None,
             receipt_seconds=step_bound(self._core.settings.timeout),
             earlier_receipt=connection.encode(replies[18]) if call and replies[18] is not None else b"",
@@ -443,7 +443,6 @@ class WatchedSteps:
             arrivals=arrivals,
             arrivals_whole=len(arrivals) < window,
             own_arrivals=scores(replies[-1]) if _may_be_arriving(step, members) else {},
-            tickets_held=dict(self._tickets),
         )
 
     async def _records(self, connection: PinnedConnection, members: Sequence[bytes]) -> dict[bytes, bytes]:

@@ -62,7 +62,8 @@ class ReadState:
             rather than brought by a caller.
         permit_ttls: The TTLs of the timeout set, the owner set and ``:limit``.
         queue_ttls: The TTLs of ``:queue``, ``:waiters`` and ``:tickets``.
-        tickets: The tickets drawn for the step's identifiers that may queue.
+        tickets: The tickets of the caller's waiters not queued yet, the
+            step's own among them: each is queued by its ticket.
         receipt: A release call's receipt key (``None``: a call without an id).
         receipt_seconds: How long that receipt is kept.
         earlier_receipt: What an earlier try of the same call left in it.
@@ -78,8 +79,6 @@ class ReadState:
             that hold a ticket and are not queued yet.
         arrivals_whole: Whether that is all of ``:arriving``.
         own_arrivals: The step's identifiers' scores in ``:arriving``.
-        tickets_held: The tickets of the caller's waiters not queued yet,
-            the step's own among them.
     """
 
     keys: SemaphoreKeys
@@ -113,7 +112,6 @@ class ReadState:
     arrivals: Mapping[bytes, float] = field(default_factory=dict)
     arrivals_whole: bool = True
     own_arrivals: Mapping[bytes, float] = field(default_factory=dict)
-    tickets_held: Mapping[bytes, int] = field(default_factory=dict)
 
 
 def past_cutoff(leases: Mapping[bytes, float], now: float, lease: float) -> list[bytes]:
@@ -307,7 +305,7 @@ class _Draft:
             if until <= now:
                 continue
             # Known only for the caller's own waiters: anyone else's stops the run.
-            ticket = state.tickets_held.get(member)
+            ticket = state.tickets.get(member)
             if ticket is None:
                 return -math.inf
             run_below = min(run_below, ticket)

@@ -108,28 +108,21 @@ def test_a_step_records_who_it_queues_or_grants_and_nobody_else() -> None:
 def a_mutex_before_a_run(**arriving: object) -> ReadState:
     """The caller holds the mutex, three of its waiters queued behind (tickets 1 to 3): its release forms a run."""
     queue = {b"ab12.w1": 1.0, b"ab12.w2": 2.0, b"ab12.w3": 3.0}
-    return ReadState(
-        SemaphoreKeys.for_name("aiosem", "plan"),
-        now=NOW,
-        lease=10.0,
-        limit=1,
-        waiter_ttl=2.0,
-        caller="ab12",
-        publish="PUBLISH",
+    return dataclasses.replace(
+        a_busy_state(),
         leases={b"ab12.held": NOW - 1},
         owners={b"ab12.held": 7.0},
-        counter=7,
         queue_head=queue,
         queue_size=3,
         earliest_deaths=dict.fromkeys(queue, NOW + 1),
         queued={},
         alive_until={},
         cancelled={},
-        stored_limit=1,
         permit_ttls=(-1, -1, -1),
         queue_ttls=(-1, -1, -1),
+        receipt=None,
         relays=True,
-        **arriving,  # type: ignore[arg-type]
+        **{"tickets": {}, **arriving},  # type: ignore[arg-type]
     )
 
 
@@ -153,7 +146,7 @@ def test_a_book_identifier_on_its_way_stops_the_run() -> None:
 
 
 def test_the_callers_own_waiter_on_its_way_cuts_the_run_at_its_ticket() -> None:
-    state = a_mutex_before_a_run(arrivals={b"ab12.on-its-way": float("inf")}, tickets_held={b"ab12.on-its-way": 3})
+    state = a_mutex_before_a_run(arrivals={b"ab12.on-its-way": float("inf")}, tickets={b"ab12.on-its-way": 3})
     assert relayed_by_release(state) == ["ab12.w2"]
 
 
@@ -179,10 +172,7 @@ def test_an_arrival_seen_for_the_first_time_is_given_a_waiter_timeout_to_be_queu
 
 
 def test_a_step_takes_its_own_waiters_out_of_the_arrivals() -> None:
-    state = dataclasses.replace(
-        a_mutex_before_a_run(own_arrivals={b"ab12.new": float("inf")}, tickets_held={b"ab12.new": 4}),
-        tickets={b"ab12.new": 4},
-    )
+    state = a_mutex_before_a_run(own_arrivals={b"ab12.new": float("inf")}, tickets={b"ab12.new": 4})
     decision = plan_step(state, Step.WAIT, [b"ab12.new"])
     assert decision.reply.values == (0,)  # queued
     assert ("ZREM", state.keys.arriving, b"ab12.new") in decision.writes
