@@ -351,23 +351,25 @@ WORKER = textwrap.dedent(
     from aiosem import AsyncRateLimiter
     from aiosem._urls import close, connect
 
-    async def main(url, start, until):
+    async def main(url):
         client = connect(url)
         limiter = AsyncRateLimiter(client, "crawl", {rate}, burst={burst})
         grants = []
-        async def loop():
+        async def loop(until):
             while (left := until - time.perf_counter()) > 0:
                 if await limiter.acquire(blocking_timeout=left):
                     grants.append(time.perf_counter())
         await client.ping()
+        print("ready", flush=True)
+        start = float(await asyncio.to_thread(sys.stdin.readline))
         await asyncio.sleep(start - time.perf_counter())
-        await asyncio.gather(*(loop() for _ in range(3)))
+        await asyncio.gather(*(loop(start + {seconds}) for _ in range(3)))
         print(json.dumps(grants))
         await close(client)
 
-    asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
+    asyncio.run(main(sys.argv[1]))
     """
-).format(rate=RATE, burst=BURST)
+).format(rate=RATE, burst=BURST, seconds=SECONDS)
 
 
 def check_windows(grants: list[float], started: float) -> None:
@@ -386,22 +388,31 @@ def check_windows(grants: list[float], started: float) -> None:
 
 @pytest.mark.slow
 async def test_four_processes_share_one_rate(topology_url: str) -> None:
-    # time.perf_counter and the event loop's clock are both CLOCK_MONOTONIC on Linux.
-    started = anyio.current_time() + 2.0  # the processes start before the window opens
     workers = [
         await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
             WORKER,
             topology_url,
-            repr(started),
-            repr(started + SECONDS),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
         for _ in range(WORKERS)
     ]
     grants: list[float] = []
     with anyio.fail_after(SECONDS + BOUND):
+        # The window opens once every worker has started and connected: a
+        # loaded machine may take seconds to start four interpreters, and the
+        # slots of a window nobody is there to ask for yet are lost.
+        for worker in workers:
+            assert worker.stdout is not None
+            assert await worker.stdout.readline() == b"ready\n"
+        # time.perf_counter and the event loop's clock are both CLOCK_MONOTONIC on Linux.
+        started = anyio.current_time() + 0.2
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write(f"{started!r}\n".encode())
+            await worker.stdin.drain()
         for worker in workers:
             stdout, _ = await worker.communicate()
             assert worker.returncode == 0
