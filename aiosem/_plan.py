@@ -336,13 +336,17 @@ class _Draft:
         self.hold(member, token, stamp)
         return token
 
-    def hold(self, member: bytes, token: int, stamp: float) -> None:
-        """As the scripts' aiosem_hold."""
+    def stamp(self, member: bytes, token: int, stamp: float) -> None:
+        """As the scripts' aiosem_stamp."""
         keys = self.state.keys
         self.owners[member] = token
         score = _seconds(stamp)
         self.leases[member] = float(score)
         self.writes += [("ZADD", keys.owner_set, token, member), ("ZADD", keys.timeout_set, score, member)]
+
+    def hold(self, member: bytes, token: int, stamp: float) -> None:
+        """As the scripts' aiosem_hold."""
+        self.stamp(member, token, stamp)
         weight = weight_of(member)
         if weight > 1:
             self._add_weight(weight - 1)
@@ -431,8 +435,9 @@ class _Draft:
         if not successor:
             return 0
         if successor in self.owners:
-            # Installed by a pass sent before, or handed the permit from the queue's head.
-            return self.owners[successor]
+            # Installed by a pass sent before, or handed the permit from the queue's head: held by the relayed token.
+            self.stamp(successor, int(token), self.state.now)
+            return int(token)
         if self.limit is not None:
             if self.held + weight_of(successor) > self.limit:
                 return 0

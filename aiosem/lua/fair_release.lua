@@ -21,7 +21,8 @@
 -- {released, installed, 0}: released as in MODE_RELEASE, and installed the
 -- token if the successor, the head of the queue, now holds the permit the
 -- holder released (or, the holder's permit gone, one that was free), taken
--- out of the queue; the token it holds by if it held already; else 0 (a
+-- out of the queue; the token too if it held already, now held by that
+-- token with its lease restarted; else 0 (a
 -- successor no longer queued -- its acquire given up, or presumed dead --
 -- and the permit goes to the queue's head). The same three sent again
 -- answers the same.
@@ -60,10 +61,14 @@ local function pass(successor, token, released, state)
     return 0
   end
   -- Holding already: installed by this pass sent before, or handed the
-  -- permit from the queue's head (its holder's lease ran out meanwhile).
-  local held = redis.call('ZSCORE', OWNERS, successor)
-  if held then
-    return tonumber(held)
+  -- permit from the queue's head meanwhile (its holder's lease ran out, or
+  -- a raised limit reached it). Its acquire returned with the relayed token
+  -- and a whole lease from the pass, so Redis is told the same: a hand-off
+  -- to another process's waiter leaves it only a waiter timeout, for a
+  -- claim that a waiter relayed to already never sends.
+  if redis.call('ZSCORE', OWNERS, successor) then
+    aiosem_stamp(successor, token, state.now)
+    return tonumber(token)
   end
   -- The successor takes the permit its holder released -- or, the holder's
   -- gone, one that is free -- as the head of the queue, which a run's next

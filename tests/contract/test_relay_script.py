@@ -16,7 +16,7 @@ behind it, up to the first of another process and at most `RUN_LENGTH`,
 each with the next fencing token, all of them staying queued; a pass
 releases the holder and installs the successor, with its token, only if
 the successor is the queue's head -- and the permit is the holder's, or
-free.
+free; a successor holding already holds by the relayed token from the pass on.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ class Mutex:
         if not successor:
             return [released, 0, 0]
         if successor in self.holders:
-            return [released, self.holders[successor][0], 0]
+            # Its acquire returned with the relayed token and a whole lease, whoever handed it the permit first.
+            self.holders[successor] = (token, self.now)
+            return [released, token, 0]
         if self.holders or not self.queue or next(iter(self.queue)) != successor:
             return [released, 0, 0]
         del self.queue[successor]
@@ -283,6 +285,43 @@ async def pass_after_a_raise_and_a_lowering(server: RedisServer) -> None:
         assert passed.values == (1, 0, 0)
         assert (passed.holders, passed.waiting) == (1, 1)
         assert await client.zrange(keys.owner_set, 0, -1) == [second.encode()]
+    finally:
+        await client.delete(*keys.fair)
+        await client.aclose()
+
+
+def test_a_successor_the_queue_handed_the_permit_first_holds_by_its_relayed_token_and_a_whole_lease(
+    redis_server: RedisServer, loop: asyncio.AbstractEventLoop
+) -> None:
+    loop.run_until_complete(pass_to_a_successor_granted_by_a_raise(redis_server))
+
+
+async def pass_to_a_successor_granted_by_a_raise(server: RedisServer) -> None:
+    client = server.client()
+    keys = SemaphoreKeys.for_name("relay", secrets.token_hex(6))
+    other, first, second = f"{OTHER}.x", f"{CALLER}.a", f"{CALLER}.b"
+
+    async def step(step: Step, members: list[str], *, caller: str = CALLER, now: float = START) -> Reply:
+        return await fair_step(
+            client, step, keys, members, now=now, lease=LEASE, limit=1, waiter_ttl=WAITER_TTL, caller=caller,
+            relays=True,
+        )  # fmt: skip
+
+    try:
+        await step(Step.WAIT, [other, first, second])  # `other` holds; the caller's two wait
+        released = await step(Step.RELEASE, [other])
+        ((relayed_to, token),) = released.relayed
+        assert relayed_to == second  # `first` holds, and relays on to `second`
+        # Another process raises the limit: `second`, the queue's head, is handed a permit of its own, with
+        # a new token and a lease of one waiter timeout, for a claim its process -- which relays to it
+        # at once, and so never claims -- will not send.
+        raised = await step(Step.LIMIT, ["2"], caller=OTHER)
+        ((granted, new_token),) = raised.granted
+        assert (granted, new_token > token) == (second, True)
+        passed = await step(Step.PASS, [first, second, str(token)], now=START + 1)
+        # Its acquire returned with the relayed token, and its lease from the pass: so says Redis.
+        assert passed.values == (1, token, 0)
+        assert await seen(client, keys) == Seen({second: (token, START + 1)}, [], new_token)
     finally:
         await client.delete(*keys.fair)
         await client.aclose()

@@ -205,13 +205,8 @@ class Replay:
             for score, member in zip(rest[::2], rest[1::2], strict=True):
                 if key == keys.queue:
                     self.queue[member] = float(score)
-                elif member not in self.owners:
-                    self.owners[member] = int(float(score))
-                    grant = (member, int(float(score)))
-                    step.granted.append(grant)
-                    self.grants.append(grant)
-                    if step.change is not None:
-                        step.granted_after_change.append(grant)
+                else:
+                    self.hold(step, member, int(float(score)))
         elif key in {keys.owner_set, keys.queue} and command == "ZREM":
             target = self.owners if key == keys.owner_set else self.queue
             for member in rest:
@@ -221,6 +216,19 @@ class Replay:
             # A write the replay does not model (a reaper's ZINTERSTORE, a DEL):
             # it would make the counts below guesses, so it is a failure.
             self.violations.append(f"unmodelled write: {step.lines[-1]}")
+
+    def hold(self, step: Step, member: str, token: int) -> None:
+        if member in self.owners:
+            # A pass to a successor the queue handed a permit first: it holds by the token relayed to it.
+            self.owners[member] = token
+            self.grants = [(granted, token if granted == member else held) for granted, held in self.grants]
+            return
+        self.owners[member] = token
+        grant = (member, token)
+        step.granted.append(grant)
+        self.grants.append(grant)
+        if step.change is not None:
+            step.granted_after_change.append(grant)
 
     def close(self, step: Step) -> None:
         if not step.lines:
