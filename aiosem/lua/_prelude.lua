@@ -257,13 +257,13 @@ local function aiosem_count_held(identifier, state)
   state.holders = state.holders + weight
 end
 
--- Hold a permit: `identifier` is granted `token`, with a lease from `stamp`.
 -- Write a permit's token and the start of its lease.
 local function aiosem_stamp(identifier, token, stamp)
   redis.call('ZADD', OWNERS, token, identifier)
   redis.call('ZADD', TIMEOUTS, aiosem_seconds(stamp), identifier)
 end
 
+-- Hold a permit: `identifier` is granted `token`, with a lease from `stamp`.
 local function aiosem_hold(identifier, token, stamp, state)
   aiosem_stamp(identifier, token, stamp)
   aiosem_count_held(identifier, state)
