@@ -129,7 +129,7 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling,
     live limits, weights, and the web integrations' overhead (needs ``wrk``: ``apt-get install wrk``)."""
-    session.install("-e", ".[fastapi,aiohttp]", "--group", "bench")
+    session.install("-e", ".[fastapi,aiohttp,memory]", "--group", "bench")  # memory: the rate benchmark's fakeredis row
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
     session.run("python", "benchmarks/bench_waiting.py", "--json", "benchmarks/results/waiting.json", *session.posargs)
