@@ -22,6 +22,7 @@ free; a successor holding already holds by the relayed token from the pass on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -162,6 +163,21 @@ def tell(kind: str, reply: Reply) -> Iterator[str]:
         yield "a late wait met its tombstone"
 
 
+async def mutex_step(
+    client: redis.asyncio.Redis,
+    keys: SemaphoreKeys,
+    step: Step,
+    members: list[str],
+    *,
+    caller: str = CALLER,
+    now: float = START,
+) -> Reply:
+    """A step of the fair scripts on a semaphore of one permit, whose caller relays."""
+    return await fair_step(
+        client, step, keys, members, now=now, lease=LEASE, limit=1, waiter_ttl=WAITER_TTL, caller=caller, relays=True
+    )
+
+
 @pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
@@ -190,18 +206,7 @@ async def drive(server: RedisServer, data: st.DataObject) -> None:
     relayed: list[tuple[str, int]] = []
 
     async def step(step: Step, members: list[str]) -> Reply:
-        return await fair_step(
-            client,
-            step,
-            keys,
-            members,
-            now=model.now,
-            lease=LEASE,
-            limit=1,
-            waiter_ttl=WAITER_TTL,
-            caller=CALLER,
-            relays=True,
-        )
+        return await mutex_step(client, keys, step, members, now=model.now)
 
     try:
         # Mostly waits, releases and passes: a run needs a holder and the caller's waiters queued behind it.
@@ -265,12 +270,7 @@ async def pass_after_a_raise_and_a_lowering(server: RedisServer) -> None:
     keys = SemaphoreKeys.for_name("relay", secrets.token_hex(6))
     other, first, second, third = f"{OTHER}.x", f"{CALLER}.a", f"{CALLER}.b", f"{CALLER}.c"
 
-    async def step(step: Step, members: list[str]) -> Reply:
-        return await fair_step(
-            client, step, keys, members, now=START, lease=LEASE, limit=1, waiter_ttl=WAITER_TTL, caller=CALLER,
-            relays=True,
-        )  # fmt: skip
-
+    step = functools.partial(mutex_step, client, keys)
     try:
         await step(Step.WAIT, [other, first, second, third])  # `other` holds; the caller's three wait
         released = await step(Step.RELEASE, [other])
@@ -301,12 +301,7 @@ async def pass_to_a_successor_granted_by_a_raise(server: RedisServer) -> None:
     keys = SemaphoreKeys.for_name("relay", secrets.token_hex(6))
     other, first, second = f"{OTHER}.x", f"{CALLER}.a", f"{CALLER}.b"
 
-    async def step(step: Step, members: list[str], *, caller: str = CALLER, now: float = START) -> Reply:
-        return await fair_step(
-            client, step, keys, members, now=now, lease=LEASE, limit=1, waiter_ttl=WAITER_TTL, caller=caller,
-            relays=True,
-        )  # fmt: skip
-
+    step = functools.partial(mutex_step, client, keys)
     try:
         await step(Step.WAIT, [other, first, second])  # `other` holds; the caller's two wait
         released = await step(Step.RELEASE, [other])
