@@ -646,17 +646,34 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
         task.set_name(name)
     _detached.keep(task)
     task.add_done_callback(_ended)
+    if task.done():  # an eager task factory ran it to its end already
+        return task.result()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    cancellation: asyncio.CancelledError | None = None
-    with anyio.CancelScope(shield=True):
-        while not task.done() and (remaining := deadline - loop.time()) > 0:
-            try:
-                await asyncio.wait({task}, timeout=remaining)
-            except asyncio.CancelledError as error:  # noqa: PERF203 -- held off until the call ends
-                cancellation = cancellation or error
-    if cancellation is not None:
-        raise cancellation
+    # Most calls meet no cancellation: they wait on a future of their own,
+    # which a cancellation cancels instead of the task, and enter a shielded
+    # scope only once one came -- a release in every `async with` pays for
+    # neither the scope nor `asyncio.wait`'s machinery.
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def end(_: object) -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    task.add_done_callback(end)
+    timer = loop.call_at(deadline, end, None)
+    try:
+        await ended
+    except asyncio.CancelledError:
+        # Shielded, anyio stops delivering its cancellation over and over.
+        with anyio.CancelScope(shield=True):
+            while not task.done() and (remaining := deadline - loop.time()) > 0:
+                with contextlib.suppress(asyncio.CancelledError):  # held off until the call ends
+                    await asyncio.wait({task}, timeout=remaining)
+        raise
+    finally:
+        timer.cancel()
+        task.remove_done_callback(end)
     if not task.done():
         raise TimeoutError(f"{name} took longer than {seconds:g} s; left to finish in the background")
     return task.result()
