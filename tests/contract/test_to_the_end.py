@@ -104,7 +104,7 @@ async def test_asyncio_timeout_around_the_call_fires_once_the_call_ends() -> Non
             async with asyncio_timeout(0.01):
                 await to_the_end(call.run(), name="a call")
             outcome.append("went on")  # pragma: no cover -- the timeout skips it
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11, async_timeout's before
             outcome.append("timed out, the call " + ("ended" if call.ended else "not ended"))
 
     task = asyncio.create_task(caller())
