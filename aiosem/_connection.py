@@ -30,6 +30,7 @@ from redis.asyncio.connection import AbstractConnection, SSLConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, TryAgainError
 
+from . import _fork
 from ._background import Background
 from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound
 
@@ -356,9 +357,12 @@ async def keeping_connections() -> AsyncIterator[None]:
 
     A task that sends steps back to back -- a lane's flusher -- then takes
     a connection from the pool once, not once a step: the pool's locks and
-    checks cost a sixth of a step. The connections go back at the end of
-    the block, which holds no more of them than the task uses at once.
+    checks cost a sixth of a step. At the end of the block, which holds no
+    more of them than the task uses at once, each connection is parked for
+    the next such block of the event loop (see `_Park`), or goes back to
+    its pool.
     """
+    park = await _Park.of_running_loop()
     kept: dict[Any, AbstractConnection] = {}
     token = _kept.set((asyncio.current_task(), kept))
     try:
@@ -367,12 +371,150 @@ async def keeping_connections() -> AsyncIterator[None]:
         _kept.reset(token)
         with anyio.CancelScope(shield=True):
             for pool, connection in kept.items():
-                await pool.release(connection)
+                if not park.leave(pool, connection):
+                    await pool.release(connection)
+
+
+#: How long a connection stays parked for the next flusher of its event loop before it goes back to its pool.
+PARKED_FOR: Final = 0.1
+
+
+class _Park:
+    """The connection of each pool that a flusher of one event loop let go of last, kept for the next one.
+
+    A lane's flusher ends once its lane is empty, so a lone caller starts
+    one for every step, and each borrowed a connection from the pool and
+    gave it back: the pool's lock, its health check and its bookkeeping cost
+    a sixth of a lone caller's CPU. The connection waits here instead, one
+    per pool, for at most `PARKED_FOR`; then it goes back to its pool. The
+    next flusher takes it if it is still fit -- connected, nothing unread --
+    as the pool would. The loop's shutdown (its async generators closed),
+    closing a semaphore object, and `aiosem.aclose` give it back at once.
+    """
+
+    __slots__ = ("_closed", "_loop", "_parked", "_watcher")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._parked: dict[Any, tuple[AbstractConnection, asyncio.TimerHandle]] = {}
+        self._closed = False
+        self._watcher = self._watch()
+
+    def __repr__(self) -> str:
+        return f"_Park(parked={len(self._parked)}, closed={self._closed})"
+
+    @classmethod
+    async def of_running_loop(cls) -> _Park:
+        """The park of the running event loop, made on first use."""
+        loop = asyncio.get_running_loop()
+        park = _parks.get(loop)
+        if park is None:
+            park = _parks[loop] = cls(loop)
+            await anext(park._watcher)
+        return park
+
+    def take(self, pool: Any) -> AbstractConnection | None:
+        """The connection parked for ``pool``, if any, no longer parked."""
+        entry = self._parked.pop(pool, None)
+        if entry is None:
+            return None
+        connection, timer = entry
+        timer.cancel()
+        return connection
+
+    def leave(self, pool: Any, connection: AbstractConnection) -> bool:
+        """Park ``connection`` of ``pool``, unless one is parked for it already: whether it was.
+
+        Only a connection that steps write to directly is parked: redis-py
+        does more around the others (health checks, a class of the user's).
+        """
+        if self._closed or pool in self._parked or PinnedConnection(connection)._stream() is None:  # noqa: SLF001
+            return False
+        self._parked[pool] = (connection, self._loop.call_later(PARKED_FOR, self._expire, pool))
+        return True
+
+    def _expire(self, pool: Any) -> None:
+        entry = self._parked.pop(pool, None)
+        if entry is not None:
+            _returns.start(_give_back(pool, entry[0]), name="aiosem connection back to its pool")
+
+    async def give_back(self, pool: Any = None) -> None:
+        """Give back at once the connection parked for ``pool`` (every one, with ``None``)."""
+        for parked_pool in [parked for parked in self._parked if pool is None or parked is pool]:
+            connection, timer = self._parked.pop(parked_pool)
+            timer.cancel()
+            await _give_back(parked_pool, connection)
+
+    async def _watch(self) -> AsyncIterator[None]:
+        # Suspended for the loop's life, as one of its async generators: closed, as
+        # `aiosem._loop_cache` closes its state, when the loop shuts down.
+        try:
+            yield
+        finally:
+            self._closed = True
+            await self.give_back()
+            if _parks.get(self._loop) is self:
+                del _parks[self._loop]
+
+
+async def _give_back(pool: Any, connection: AbstractConnection) -> None:
+    with anyio.CancelScope(shield=True):
+        await pool.release(connection)
+
+
+async def _fit(connection: AbstractConnection) -> bool:
+    """Whether a parked connection may carry the next step: connected, with nothing unread, as a pool checks."""
+    # redis-py 8 renamed the check, and deprecated the old name.
+    pending = getattr(connection, "can_read", None) or connection.can_read_destructive
+    try:
+        return connection.is_connected and not await pending()
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+
+
+async def give_back_parked(client: Client) -> None:
+    """Give back at once the connection parked for ``client``'s pool in the running event loop, if any."""
+    if isinstance(client, RedisCluster):
+        return  # a cluster's connections are never parked
+    park = _parks.get(asyncio.get_running_loop())
+    if park is not None:
+        await park.give_back(client.connection_pool)
+
+
+_parks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Park] = weakref.WeakKeyDictionary()
+#: Parked connections on their way back to their pools.
+_returns = Background()
+
+
+def _forget_parks() -> object:
+    """In a forked child: forget the parent's parked connections, which are its sockets."""
+    global _parks  # a new process
+    parks, _parks = _parks, weakref.WeakKeyDictionary()
+    return dict(parks)
+
+
+_fork.forget(_forget_parks)
 
 
 def _kept_by_this_task() -> dict[Any, AbstractConnection] | None:
     kept = _kept.get()
     return kept[1] if kept is not None and kept[0] is asyncio.current_task() else None
+
+
+async def _borrow(pool: Any, *, parked: bool) -> AbstractConnection:
+    """A connection of ``pool``: with ``parked``, the one parked in this event loop if it is still fit."""
+    park = _parks.get(asyncio.get_running_loop()) if parked else None
+    connection = None if park is None else park.take(pool)
+    if connection is not None:
+        if await _fit(connection):
+            return connection
+        # Closed, so that the pool opens it anew: redis-py 8's pool hands out a
+        # connection with something unread when it may be a maintenance notice.
+        with anyio.CancelScope(shield=True):
+            await connection.disconnect(nowait=True)
+        await _give_back(pool, connection)
+    borrowed: AbstractConnection = await pool.get_connection()
+    return borrowed
 
 
 @asynccontextmanager
@@ -401,7 +543,7 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
         if kept is not None and pool in kept:
             connection = kept.pop(pool)
         else:
-            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+            connection = await _borrow(pool, parked=kept is not None)
 
         async def give_back() -> None:
             if kept is not None and pool not in kept and connection.is_connected:

@@ -28,6 +28,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 
+from ._connection import give_back_parked
+
 if TYPE_CHECKING:
     from ._connection import Client
 
@@ -144,6 +146,7 @@ async def close(client: Client) -> None:
     if isinstance(client, RedisCluster):
         await client.aclose()
         return
+    await give_back_parked(client)
     await client.aclose(close_connection_pool=True)
     sentinel = _sentinels.pop(client, None)
     if sentinel is not None:

@@ -1,0 +1,170 @@
+"""The connection a lane's flusher lets go of waits, parked, for the next flusher of its event loop.
+
+A lone caller -- a web request, a crawler's fetch -- starts a flusher for
+each of its steps; without the park each borrowed a connection from the
+pool and gave it back. These tests use clients made as users make them
+(redis-py 8's socket timeout, the unrestricted or the suite's user), and
+read the pool's bookkeeping to see where the connection is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _connection
+from aiosem._connection import PARKED_FOR
+from tests.harness.support import until_one_time_checks_done
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from tests.harness.support import RedisServer
+
+#: Far more than anything that is going to happen on an idle loop needs.
+BOUND = 5.0
+CLIENT_NAME = "parked-test"
+
+
+def borrows_by_lanes(client: redis.asyncio.Redis) -> list[int]:
+    """Count, from now on, the connections the semaphores' lanes borrow from ``client``'s pool."""
+    pool = client.connection_pool
+    borrow = pool.get_connection
+    borrowed = [0]
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if task is not None and task.get_name() == "aiosem lane":
+            borrowed[0] += 1
+        return await borrow(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    pool.get_connection = counted  # type: ignore[method-assign]
+    return borrowed
+
+
+def out_of_the_pool(client: redis.asyncio.Redis) -> int:
+    return len(client.connection_pool._in_use_connections)
+
+
+async def cycle(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
+    permit = await sem.acquire()
+    assert permit is not None
+    assert await sem.release(permit)
+
+
+@pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+def cls(request: pytest.FixtureRequest) -> type[AsyncFairSemaphore | AsyncLockedSemaphore]:
+    kind: type[AsyncFairSemaphore | AsyncLockedSemaphore] = request.param
+    return kind
+
+
+async def test_a_lone_callers_steps_borrow_one_connection_from_the_pool(
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], redis_server: RedisServer
+) -> None:
+    client = redis_server.client(socket_timeout=5)
+    try:
+        sem = cls(client, "parked", 1)
+        await cycle(sem)
+        await until_one_time_checks_done()
+        borrowed = borrows_by_lanes(client)
+
+        for _ in range(5):
+            await cycle(sem)
+
+        assert borrowed[0] <= 1
+    finally:
+        await client.aclose()
+
+
+async def test_a_parked_connection_goes_back_to_its_pool_once_idle(redis_server: RedisServer) -> None:
+    client = redis_server.client(socket_timeout=5)
+    try:
+        await cycle(AsyncFairSemaphore(client, "parked", 1))
+        await until_one_time_checks_done()
+        assert out_of_the_pool(client) == 1
+
+        await asyncio.sleep(PARKED_FOR)
+        with anyio.fail_after(BOUND):
+            while out_of_the_pool(client):  # noqa: ASYNC110 -- the pool's bookkeeping, not an event of ours
+                await asyncio.sleep(0.01)
+    finally:
+        await client.aclose()
+
+
+async def test_a_parked_connection_the_server_closed_is_not_used_again(
+    redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    # No retries: a step written to the closed connection would fail, not be tried again.
+    client = redis_server.client(socket_timeout=5, client_name=CLIENT_NAME, retry=Retry(NoBackoff(), 0))
+    try:
+        sem = AsyncFairSemaphore(client, "parked", 1)
+        await cycle(sem)
+        await until_one_time_checks_done()
+        (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
+        killed = [entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME]
+        assert killed
+        for identifier in killed:
+            await admin_client.client_kill_filter(_id=identifier)
+        # Until the end of the connection reaches the client, as a pool's own check needs it to.
+        with anyio.fail_after(BOUND):
+            while parked._reader is None or not parked._reader.at_eof():  # noqa: ASYNC110 -- the kernel's news
+                await asyncio.sleep(0.001)
+
+        await cycle(sem)
+    finally:
+        await client.aclose()
+
+
+async def test_closing_a_semaphore_gives_its_parked_connection_back_at_once(
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], redis_server: RedisServer
+) -> None:
+    client = redis_server.client(socket_timeout=5)
+    try:
+        sem = cls(client, "parked", 1)
+        await cycle(sem)
+        await until_one_time_checks_done()
+
+        await sem.aclose()
+
+        assert out_of_the_pool(client) == 0
+    finally:
+        await client.aclose()
+
+
+def test_the_event_loops_shutdown_gives_the_parked_connection_back(redis_server: RedisServer) -> None:
+    client = redis_server.client(socket_timeout=5)
+
+    async def main() -> None:
+        await cycle(AsyncFairSemaphore(client, "parked", 1))
+        await until_one_time_checks_done()
+        assert out_of_the_pool(client) == 1
+
+    # What asyncio.run does, with a look between closing the loop's async generators and closing it.
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+
+        assert out_of_the_pool(client) == 0
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+
+
+async def test_two_flushers_at_once_park_one_connection_and_give_the_other_back(redis_server: RedisServer) -> None:
+    client = redis_server.client(socket_timeout=5)
+    try:
+        first, second = AsyncFairSemaphore(client, "parked-1", 1), AsyncFairSemaphore(client, "parked-2", 1)
+        await cycle(first)
+        await until_one_time_checks_done()
+
+        await asyncio.gather(cycle(first), cycle(second))
+
+        assert out_of_the_pool(client) == 1
+    finally:
+        await client.aclose()
