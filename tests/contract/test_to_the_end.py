@@ -63,30 +63,15 @@ async def test_raises_what_the_call_raises() -> None:
         await to_the_end(call.run(), name="a call")
 
 
-async def test_a_task_cancelled_during_the_call_is_cancelled_once_the_call_ends() -> None:
+@pytest.mark.parametrize("cancellations", [1, 2], ids=["once", "twice"])
+async def test_a_task_cancelled_during_the_call_is_cancelled_once_the_call_ends(cancellations: int) -> None:
     call = Call()
     caller = asyncio.create_task(to_the_end(call.run(), name="a call"))
     await call.started.wait()
 
-    caller.cancel()
-    await asyncio.sleep(0)
-    assert not caller.done()
-    call.gate.set()
-
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(caller, SETTLE)
-    assert call.ended
-
-
-async def test_a_second_cancellation_during_the_call_is_held_off_too() -> None:
-    call = Call()
-    caller = asyncio.create_task(to_the_end(call.run(), name="a call"))
-    await call.started.wait()
-
-    caller.cancel()
-    await asyncio.sleep(0)
-    caller.cancel()
-    await asyncio.sleep(0)
+    for _ in range(cancellations):
+        caller.cancel()
+        await asyncio.sleep(0)
     assert not caller.done()
     call.gate.set()
 

@@ -22,6 +22,8 @@ from aiosem._connection import PARKED_FOR
 from tests.harness.support import until_one_time_checks_done
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     import redis.asyncio
 
     from tests.harness.support import RedisServer
@@ -57,43 +59,47 @@ async def cycle(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
     assert await sem.release(permit)
 
 
+async def first_cycle(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
+    """A cycle, and the one-time checks it started in the background ended: they borrow from the pool too."""
+    await cycle(sem)
+    await until_one_time_checks_done()
+
+
 @pytest.fixture(params=[AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
 def cls(request: pytest.FixtureRequest) -> type[AsyncFairSemaphore | AsyncLockedSemaphore]:
     kind: type[AsyncFairSemaphore | AsyncLockedSemaphore] = request.param
     return kind
 
 
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client as users make them, with redis-py 8's socket timeout."""
+    client = redis_server.client(socket_timeout=5)
+    yield client
+    await client.aclose()
+
+
 async def test_a_lone_callers_steps_borrow_one_connection_from_the_pool(
-    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], redis_server: RedisServer
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], client: redis.asyncio.Redis
 ) -> None:
-    client = redis_server.client(socket_timeout=5)
-    try:
-        sem = cls(client, "parked", 1)
+    sem = cls(client, "parked", 1)
+    await first_cycle(sem)
+    borrowed = borrows_by_lanes(client)
+
+    for _ in range(5):
         await cycle(sem)
-        await until_one_time_checks_done()
-        borrowed = borrows_by_lanes(client)
 
-        for _ in range(5):
-            await cycle(sem)
-
-        assert borrowed[0] <= 1
-    finally:
-        await client.aclose()
+    assert borrowed[0] <= 1
 
 
-async def test_a_parked_connection_goes_back_to_its_pool_once_idle(redis_server: RedisServer) -> None:
-    client = redis_server.client(socket_timeout=5)
-    try:
-        await cycle(AsyncFairSemaphore(client, "parked", 1))
-        await until_one_time_checks_done()
-        assert out_of_the_pool(client) == 1
+async def test_a_parked_connection_goes_back_to_its_pool_once_idle(client: redis.asyncio.Redis) -> None:
+    await first_cycle(AsyncFairSemaphore(client, "parked", 1))
+    assert out_of_the_pool(client) == 1
 
-        await asyncio.sleep(PARKED_FOR)
-        with anyio.fail_after(BOUND):
-            while out_of_the_pool(client):  # noqa: ASYNC110 -- the pool's bookkeeping, not an event of ours
-                await asyncio.sleep(0.01)
-    finally:
-        await client.aclose()
+    await asyncio.sleep(PARKED_FOR)
+    with anyio.fail_after(BOUND):
+        while out_of_the_pool(client):  # noqa: ASYNC110 -- the pool's bookkeeping, not an event of ours
+            await asyncio.sleep(0.01)
 
 
 async def test_a_parked_connection_the_server_closed_is_not_used_again(
@@ -103,8 +109,7 @@ async def test_a_parked_connection_the_server_closed_is_not_used_again(
     client = redis_server.client(socket_timeout=5, client_name=CLIENT_NAME, retry=Retry(NoBackoff(), 0))
     try:
         sem = AsyncFairSemaphore(client, "parked", 1)
-        await cycle(sem)
-        await until_one_time_checks_done()
+        await first_cycle(sem)
         (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
         killed = [entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME]
         assert killed
@@ -121,27 +126,21 @@ async def test_a_parked_connection_the_server_closed_is_not_used_again(
 
 
 async def test_closing_a_semaphore_gives_its_parked_connection_back_at_once(
-    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], redis_server: RedisServer
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], client: redis.asyncio.Redis
 ) -> None:
-    client = redis_server.client(socket_timeout=5)
-    try:
-        sem = cls(client, "parked", 1)
-        await cycle(sem)
-        await until_one_time_checks_done()
+    sem = cls(client, "parked", 1)
+    await first_cycle(sem)
 
-        await sem.aclose()
+    await sem.aclose()
 
-        assert out_of_the_pool(client) == 0
-    finally:
-        await client.aclose()
+    assert out_of_the_pool(client) == 0
 
 
 def test_the_event_loops_shutdown_gives_the_parked_connection_back(redis_server: RedisServer) -> None:
     client = redis_server.client(socket_timeout=5)
 
     async def main() -> None:
-        await cycle(AsyncFairSemaphore(client, "parked", 1))
-        await until_one_time_checks_done()
+        await first_cycle(AsyncFairSemaphore(client, "parked", 1))
         assert out_of_the_pool(client) == 1
 
     # What asyncio.run does, with a look between closing the loop's async generators and closing it.
@@ -156,15 +155,10 @@ def test_the_event_loops_shutdown_gives_the_parked_connection_back(redis_server:
         loop.close()
 
 
-async def test_two_flushers_at_once_park_one_connection_and_give_the_other_back(redis_server: RedisServer) -> None:
-    client = redis_server.client(socket_timeout=5)
-    try:
-        first, second = AsyncFairSemaphore(client, "parked-1", 1), AsyncFairSemaphore(client, "parked-2", 1)
-        await cycle(first)
-        await until_one_time_checks_done()
+async def test_two_flushers_at_once_park_one_connection_and_give_the_other_back(client: redis.asyncio.Redis) -> None:
+    first, second = AsyncFairSemaphore(client, "parked-1", 1), AsyncFairSemaphore(client, "parked-2", 1)
+    await first_cycle(first)
 
-        await asyncio.gather(cycle(first), cycle(second))
+    await asyncio.gather(cycle(first), cycle(second))
 
-        assert out_of_the_pool(client) == 1
-    finally:
-        await client.aclose()
+    assert out_of_the_pool(client) == 1
