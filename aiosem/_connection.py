@@ -409,6 +409,10 @@ class _Park:
         loop = asyncio.get_running_loop()
         park = _parks.get(loop)
         if park is None:
+            for closed in [other for other in _parks if other.is_closed()]:
+                # Closed without closing its async generators: what was parked
+                # there can only be forgotten, not given back.
+                del _parks[closed]
             park = _parks[loop] = cls(loop)
             await anext(park._watcher)
         return park

@@ -162,3 +162,22 @@ async def test_two_flushers_at_once_park_one_connection_and_give_the_other_back(
     await asyncio.gather(cycle(first), cycle(second))
 
     assert out_of_the_pool(client) == 1
+
+
+def test_a_park_left_by_a_loop_closed_without_its_shutdown_is_forgotten_by_the_next_loop(
+    redis_server: RedisServer,
+) -> None:
+    async def used_then_closed() -> None:
+        # A client never crosses event loops: each loop has its own.
+        client = redis_server.client(socket_timeout=5)
+        await first_cycle(AsyncFairSemaphore(client, "parked", 1))
+        await client.aclose()
+
+    abandoned = asyncio.new_event_loop()
+    abandoned.run_until_complete(used_then_closed())
+    abandoned.close()  # as a program that never closes its loop's async generators
+    assert abandoned in _connection._parks
+
+    asyncio.run(used_then_closed())
+
+    assert abandoned not in _connection._parks
