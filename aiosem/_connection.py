@@ -467,7 +467,11 @@ async def _give_back(pool: Any, connection: AbstractConnection) -> None:
 
 
 async def _fit(connection: AbstractConnection) -> bool:
-    """Whether a parked connection may carry the next step: connected, with nothing unread, as a pool checks."""
+    """Whether a parked connection may carry the next step, as a pool checks: connected, nothing unread or due."""
+    # Marked by redis-py 8 for a reconnect, which the pool does as a connection comes back.
+    should_reconnect = getattr(connection, "should_reconnect", None)
+    if should_reconnect is not None and should_reconnect():
+        return False
     # redis-py 8 renamed the check, and deprecated the old name.
     pending = getattr(connection, "can_read", None) or connection.can_read_destructive
     try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -121,6 +122,29 @@ async def test_a_parked_connection_the_server_closed_is_not_used_again(
                 await asyncio.sleep(0.001)
 
         await cycle(sem)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.skipif(not hasattr(AbstractConnection, "mark_for_reconnect"), reason="redis-py 8 marks connections")
+async def test_a_parked_connection_marked_for_a_reconnect_is_reconnected_before_the_next_step(
+    redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    client = redis_server.client(socket_timeout=5, client_name=CLIENT_NAME)
+    try:
+        sem = AsyncFairSemaphore(client, "parked", 1)
+        await first_cycle(sem)
+        (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
+        await client.connection_pool.disconnect(inuse_connections=False)  # all but the parked one
+        before = {entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME}
+
+        parked.mark_for_reconnect()  # as redis-py 8 does when the server announces a move
+        await cycle(sem)
+
+        after = {entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME}
+        assert not parked.should_reconnect()
+        assert after
+        assert not after & before
     finally:
         await client.aclose()
 
