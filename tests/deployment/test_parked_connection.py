@@ -54,6 +54,17 @@ def out_of_the_pool(client: redis.asyncio.Redis) -> int:
     return len(client.connection_pool._in_use_connections)
 
 
+def the_parked_connection() -> AbstractConnection:
+    """The one connection parked in the running event loop."""
+    (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
+    return parked
+
+
+async def named_connections(admin: redis.asyncio.Redis) -> set[str]:
+    """The ids of the server's connections named `CLIENT_NAME`."""
+    return {entry["id"] for entry in await admin.client_list() if entry["name"] == CLIENT_NAME}
+
+
 async def cycle(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
     permit = await sem.acquire()
     assert permit is not None
@@ -111,8 +122,8 @@ async def test_a_parked_connection_the_server_closed_is_not_used_again(
     try:
         sem = AsyncFairSemaphore(client, "parked", 1)
         await first_cycle(sem)
-        (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
-        killed = [entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME]
+        parked = the_parked_connection()
+        killed = await named_connections(admin_client)
         assert killed
         for identifier in killed:
             await admin_client.client_kill_filter(_id=identifier)
@@ -134,14 +145,14 @@ async def test_a_parked_connection_marked_for_a_reconnect_is_reconnected_before_
     try:
         sem = AsyncFairSemaphore(client, "parked", 1)
         await first_cycle(sem)
-        (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
+        parked = the_parked_connection()
         await client.connection_pool.disconnect(inuse_connections=False)  # all but the parked one
-        before = {entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME}
+        before = await named_connections(admin_client)
 
         parked.mark_for_reconnect()  # type: ignore[no-untyped-call]  # as redis-py 8 does when a move is announced
         await cycle(sem)
 
-        after = {entry["id"] for entry in await admin_client.client_list() if entry["name"] == CLIENT_NAME}
+        after = await named_connections(admin_client)
         assert not parked.should_reconnect()  # type: ignore[no-untyped-call]
         assert after
         assert not after & before
