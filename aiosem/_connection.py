@@ -387,8 +387,8 @@ class _Park:
     gave it back: the pool's lock, its health check and its bookkeeping cost
     a sixth of a lone caller's CPU. The connection waits here instead, one
     per pool, for at most `PARKED_FOR`; then it goes back to its pool. The
-    next flusher takes it if it is still fit -- connected, nothing unread --
-    as the pool would. The loop's shutdown (its async generators closed),
+    next flusher takes it if it is still fit -- connected, nothing unread,
+    no reconnect due -- as the pool would. The loop's shutdown (its async generators closed),
     closing a semaphore object, and `aiosem.aclose` give it back at once.
     """
 
