@@ -20,6 +20,13 @@ Two measurements, on one private ``redis-server``:
   part, and Lua -- the script's own code, and each ``redis.call``'s
   crossing into Redis and back -- the rest: the report gives both, and the
   commands that took the most.
+* **a step and a call apart**: the limit-16 scenario again at limits 8, 32
+  and 64, with four coroutines per permit each time. A step carries about
+  as many calls as the limit, so the scripts per cycle fall as it rises;
+  a least-squares line of CPU per cycle against scripts per cycle splits a
+  cycle's CPU, in the client and in Redis, into what each step costs
+  whatever it carries (the slope) and what the calls cost beside their
+  steps (the intercept).
 
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -71,6 +79,8 @@ CYCLES: Final = (
     ("AsyncFairSemaphore, limit 1", 1, 64),
     ("AsyncFairSemaphore, limit 16", 16, 1),
 )
+#: The limits of the split, each with four coroutines per permit; limit 16 is measured above.
+SPLIT_LIMITS: Final = (8, 32, 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,29 @@ class CycleCost:
     commands_us_per_script: float
     #: The commands that took the most time inside the scripts: calls and microseconds, per script.
     heaviest_commands: dict[str, tuple[float, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A cycle's CPU in the client and in Redis: per step, and per cycle beside its steps (a linear fit)."""
+
+    client_us_per_step: float
+    client_us_per_cycle_beside_steps: float
+    server_us_per_step: float
+    server_us_per_cycle_beside_steps: float
+
+
+def split(costs: Sequence[CycleCost]) -> Split:
+    """Fit CPU per cycle against scripts per cycle over ``costs``: the slope per step, the intercept per cycle."""
+    scripts = [cost.scripts_per_cycle for cost in costs]
+    client = statistics.linear_regression(scripts, [cost.client_cpu_us for cost in costs])
+    server = statistics.linear_regression(scripts, [cost.server_cpu_us for cost in costs])
+    return Split(
+        client_us_per_step=round(client.slope, 1),
+        client_us_per_cycle_beside_steps=round(client.intercept, 1),
+        server_us_per_step=round(server.slope, 1),
+        server_us_per_cycle_beside_steps=round(server.intercept, 1),
+    )
 
 
 def process_cpu(pid: int) -> float:
@@ -225,14 +258,53 @@ async def profile(port: int, seconds: float) -> str:
     return "\n".join([line for line in lines if line.strip()[:1].isdigit()][:25])
 
 
-async def run_all(port: int, pid: int, seconds: float, profiled: bool) -> tuple[list[CallCost], list[CycleCost], str]:
+async def run_all(
+    port: int, pid: int, seconds: float, profiled: bool
+) -> tuple[list[CallCost], list[CycleCost], list[CycleCost], str]:
     print("  per round trip ...", file=sys.stderr, flush=True)
     calls = await call_costs(port)
     cycles = []
     for scenario in CYCLES:
         print(f"  {scenario[0]}, {scenario[2]} coroutine(s) ...", file=sys.stderr, flush=True)
         cycles.append(await cycle_cost(port, pid, scenario, seconds))
-    return calls, cycles, await profile(port, seconds) if profiled else ""
+    swept = []
+    for limit in SPLIT_LIMITS:
+        print(f"  split: limit {limit}, {4 * limit} coroutines ...", file=sys.stderr, flush=True)
+        swept.append(await cycle_cost(port, pid, (f"AsyncFairSemaphore, limit {limit}", limit, 4 * limit), seconds))
+    limit_16 = next(
+        cost for cost in cycles if cost.scenario == "AsyncFairSemaphore, limit 16" and cost.coroutines == 64
+    )
+    swept = sorted([*swept, limit_16], key=lambda cost: cost.coroutines)
+    return calls, cycles, swept, await profile(port, seconds) if profiled else ""
+
+
+def split_tables(swept: Sequence[CycleCost], fitted: Split) -> str:
+    points = markdown_table(
+        ("split: scenario", "coroutines", "cycles/s", "scripts/cycle", "client CPU us/cycle", "server CPU us/cycle"),
+        [
+            (
+                cost.scenario,
+                str(cost.coroutines),
+                f"{cost.cycles_per_second:,.0f}",
+                f"{cost.scripts_per_cycle:.3f}",
+                f"{cost.client_cpu_us:.1f}",
+                f"{cost.server_cpu_us:.1f}",
+            )
+            for cost in swept
+        ],
+    )
+    fit = markdown_table(
+        ("CPU, fitted", "client us", "server us"),
+        [
+            ("per step, whatever it carries", f"{fitted.client_us_per_step:.1f}", f"{fitted.server_us_per_step:.1f}"),
+            (
+                "per cycle, beside its steps",
+                f"{fitted.client_us_per_cycle_beside_steps:.1f}",
+                f"{fitted.server_us_per_cycle_beside_steps:.1f}",
+            ),
+        ],
+    )
+    return f"{points}\n\n{fit}"
 
 
 def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
@@ -292,9 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         RedisServer(binary, Path(directory)) as server,
     ):
         assert server.process is not None  # noqa: S101 -- started by the block
-        calls, cycles, profiled = asyncio.run(run_all(server.port, server.process.pid, args.seconds, args.profile))
+        calls, cycles, swept, profiled = asyncio.run(
+            run_all(server.port, server.process.pid, args.seconds, args.profile)
+        )
+    fitted = split(swept)
     print()
     print(tables(calls, cycles))
+    print()
+    print(split_tables(swept, fitted))
     if profiled:
         print(f"\npyinstrument, 64 coroutines at limit 16, heaviest frames (seconds of {args.seconds:g}):\n{profiled}")
     if args.json is not None:
@@ -303,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seconds": args.seconds,
             "calls": [asdict(cost) for cost in calls],
             "cycles": [asdict(cost) for cost in cycles],
+            "split": {"points": [asdict(cost) for cost in swept], **asdict(fitted)},
             "profile": profiled.splitlines(),
         }
         write_report(args.json, report)
