@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Final
 
 import nox
@@ -129,6 +130,9 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Throughput, hand-off, fairness, crash reclaim, idle and refresh cost, rate, failover, peers, scaling,
     live limits, weights, and the web integrations' overhead (needs ``wrk``: ``apt-get install wrk``)."""
+    if shutil.which("wrk") is None:
+        # Checked first: the web benchmark runs last, twenty minutes in.
+        session.error("the web benchmark needs wrk on PATH: apt-get install wrk")
     session.install("-e", ".[fastapi,aiohttp,memory]", "--group", "bench")  # memory: the rate benchmark's fakeredis row
     session.run("python", "benchmarks/bench_throughput.py", "--json", "benchmarks/results/throughput.json")
     session.run("python", "benchmarks/bench_costs.py", "--profile", "--json", "benchmarks/results/costs.json")
