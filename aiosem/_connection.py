@@ -369,9 +369,11 @@ async def keeping_connections() -> AsyncIterator[None]:
         yield
     finally:
         _kept.reset(token)
-        with anyio.CancelScope(shield=True):
-            for pool, connection in kept.items():
-                if not park.leave(pool, connection):
+        # Most ends park their one connection: no scope to enter for them.
+        returning = [(pool, connection) for pool, connection in kept.items() if not park.leave(pool, connection)]
+        if returning:
+            with anyio.CancelScope(shield=True):
+                for pool, connection in returning:
                     await pool.release(connection)
 
 
