@@ -21,6 +21,8 @@ figure                     from                 shows
 ``bench-peer-handoff.png`` ``peers.json``       hand-off beside the peers that block
 ``bench-scaling.png``      ``scaling.json``     cycles/s with 1 to 8 processes; idle commands/s
                                                 and connections of 10 to 10,000 waiters
+``bench-split.png``        ``costs.json``       CPU per cycle against steps per cycle, in the
+                                                client and in Redis, with the fitted lines
 =========================  ===================  ==============================================
 
 Run it from the repository's root::
@@ -533,6 +535,42 @@ def scaling(result: Result) -> Figure:
     return drawn
 
 
+def split(result: Result) -> Figure:
+    """CPU per cycle against scripts per cycle at limits 8 to 64, with the fitted line, in both processes."""
+    drawn, axes = figure(result, 3.4, columns=2, share_x=True)
+    points = result["split"]["points"]
+    steps = [point["scripts_per_cycle"] for point in points]
+    for ax, side, title in zip(axes, ("client", "server"), ("the client", "Redis"), strict=True):
+        per_step = result["split"][f"{side}_us_per_step"]
+        beside = result["split"][f"{side}_us_per_cycle_beside_steps"]
+        cpu = [point[f"{side}_cpu_us"] for point in points]
+        ax.scatter(steps, cpu, color=COLOURS["fair"], s=36, zorder=3)
+        for point, x, y in zip(points, steps, cpu, strict=True):
+            limit = point["scenario"].rsplit(" ", 1)[-1]
+            ax.annotate(f"limit {limit}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=SMALL)
+        span = [0.0, max(steps) * 1.1]
+        ax.plot(span, [beside + per_step * x for x in span], color=PALE, zorder=2)
+        ax.annotate(
+            f"{per_step:.0f} µs a step\n{beside:.0f} µs a cycle beside its steps",
+            (0, beside),
+            xytext=(6, -28),
+            textcoords="offset points",
+            fontsize=SMALL,
+        )
+        ax.set_xlim(0, max(steps) * 1.25)  # room for the last point's label
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("scripts per cycle")
+        ax.set_ylabel("CPU per cycle, µs")
+        ax.grid(color="#eeeeee")
+        ax.set_title(f"in {title}", fontsize=TITLE)
+    drawn.suptitle(
+        "AsyncFairSemaphore, four coroutines per permit: a cycle's CPU, split\n"
+        "into what each step costs (the slope) and what its calls cost beside the steps",
+        fontsize=TITLE,
+    )
+    return drawn
+
+
 #: Each figure: its file, the result it reads, how it is drawn.
 FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
     ("bench-throughput.png", "throughput.json", throughput),
@@ -545,6 +583,7 @@ FIGURES: Final[tuple[tuple[str, str, Callable[[Result], Figure]], ...]] = (
     ("bench-peers.png", "peers.json", peers),
     ("bench-peer-handoff.png", "peers.json", peer_handoff),
     ("bench-scaling.png", "scaling.json", scaling),
+    ("bench-split.png", "costs.json", split),
 )
 
 
