@@ -1,6 +1,6 @@
 """Where a cycle's time goes: CPU per round trip and per cycle, in the client and in Redis.
 
-Two measurements, on one private ``redis-server``:
+Three measurements, on one private ``redis-server``:
 
 * **per round trip** (1 coroutine, the best of 3 runs of 3,000 calls): the
   wall time and the client process's CPU time of one ``EVALSHA`` of a
