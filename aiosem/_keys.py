@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from ._validation import check_name
@@ -125,6 +125,11 @@ class SemaphoreKeys:
     """The keys of one semaphore, in the book's layout under ``base``."""
 
     base: str
+    #: `fair`, made once: every fair step sends it.
+    _fair: tuple[str, str, str, str, str, str, str, str, str, str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_fair", self._fair_keys())
 
     @classmethod
     def for_name(cls, prefix: str, name: str) -> SemaphoreKeys:
@@ -199,6 +204,9 @@ class SemaphoreKeys:
     @property
     def fair(self) -> tuple[str, str, str, str, str, str, str, str, str, str, str]:
         """The keys every fair script takes, in order (and a release its receipt after them)."""
+        return self._fair
+
+    def _fair_keys(self) -> tuple[str, str, str, str, str, str, str, str, str, str, str]:
         return (
             self.timeout_set,
             self.owner_set,
