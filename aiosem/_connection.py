@@ -351,8 +351,7 @@ _kept: ContextVar[tuple[asyncio.Task[Any] | None, dict[Any, AbstractConnection]]
 )
 
 
-@asynccontextmanager
-async def keeping_connections() -> AsyncIterator[None]:
+class keeping_connections:  # noqa: N801 -- used as a function: `async with keeping_connections():`
     """Within the block, keep each one-server connection of the current task for its next `pinned_connection`.
 
     A task that sends steps back to back -- a lane's flusher -- then takes
@@ -360,17 +359,23 @@ async def keeping_connections() -> AsyncIterator[None]:
     checks cost a sixth of a step. At the end of the block, which holds no
     more of them than the task uses at once, each connection is parked for
     the next such block of the event loop (see `_Park`), or goes back to
-    its pool.
+    its pool. (A class, not an async generator: a flusher enters one for
+    every run, and a generator costs the loop's hooks and a weak reference
+    each time.)
     """
-    park = await _Park.of_running_loop()
-    kept: dict[Any, AbstractConnection] = {}
-    token = _kept.set((asyncio.current_task(), kept))
-    try:
-        yield
-    finally:
-        _kept.reset(token)
+
+    __slots__ = ("_kept", "_park", "_token")
+
+    async def __aenter__(self) -> None:
+        self._park = await _Park.of_running_loop()
+        self._kept: dict[Any, AbstractConnection] = {}
+        self._token = _kept.set((asyncio.current_task(), self._kept))
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        _kept.reset(self._token)
+        park = self._park
         # Most ends park their one connection: no scope to enter for them.
-        returning = [(pool, connection) for pool, connection in kept.items() if not park.leave(pool, connection)]
+        returning = [(pool, connection) for pool, connection in self._kept.items() if not park.leave(pool, connection)]
         if returning:
             with anyio.CancelScope(shield=True):
                 for pool, connection in returning:
@@ -394,11 +399,16 @@ class _Park:
     closing a semaphore object, and `aiosem.aclose` give it back at once.
     """
 
-    __slots__ = ("_closed", "_loop", "_parked", "_watcher")
+    __slots__ = ("_closed", "_expiry", "_loop", "_parked", "_watcher")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._parked: dict[Any, tuple[AbstractConnection, asyncio.TimerHandle]] = {}
+        #: Each pool's parked connection, and when it was parked (loop time).
+        self._parked: dict[Any, tuple[AbstractConnection, float]] = {}
+        #: One timer for the whole park, armed while anything is parked: a
+        #: flusher parks its connection every run, and a timer made and
+        #: cancelled each time would stay in the loop's heap until cleaned.
+        self._expiry: asyncio.TimerHandle | None = None
         self._closed = False
         self._watcher = self._watch()
 
@@ -422,11 +432,7 @@ class _Park:
     def take(self, pool: Any) -> AbstractConnection | None:
         """The connection parked for ``pool``, if any, no longer parked."""
         entry = self._parked.pop(pool, None)
-        if entry is None:
-            return None
-        connection, timer = entry
-        timer.cancel()
-        return connection
+        return None if entry is None else entry[0]
 
     def leave(self, pool: Any, connection: AbstractConnection) -> bool:
         """Park ``connection`` of ``pool``, unless one is parked for it already: whether it was.
@@ -436,20 +442,31 @@ class _Park:
         """
         if self._closed or pool in self._parked or PinnedConnection(connection)._stream() is None:  # noqa: SLF001
             return False
-        self._parked[pool] = (connection, self._loop.call_later(PARKED_FOR, self._expire, pool))
+        self._parked[pool] = (connection, self._loop.time())
+        if self._expiry is None:
+            self._expiry = self._loop.call_later(PARKED_FOR, self._expire)
         return True
 
-    def _expire(self, pool: Any) -> None:
-        entry = self._parked.pop(pool, None)
-        if entry is not None:
-            _returns.start(_give_back(pool, entry[0]), name="aiosem connection back to its pool")
+    def _expire(self) -> None:
+        """Give back what has been parked for `PARKED_FOR`; come back for the rest when its time is up."""
+        self._expiry = None
+        now = self._loop.time()
+        for pool, (connection, since) in list(self._parked.items()):
+            if now - since >= PARKED_FOR:
+                del self._parked[pool]
+                _returns.start(_give_back(pool, connection), name="aiosem connection back to its pool")
+        if self._parked:
+            earliest = min(since for _, since in self._parked.values())
+            self._expiry = self._loop.call_at(earliest + PARKED_FOR, self._expire)
 
     async def give_back(self, pool: Any = None) -> None:
         """Give back at once the connection parked for ``pool`` (every one, with ``None``)."""
         for parked_pool in [parked for parked in self._parked if pool is None or parked is pool]:
-            connection, timer = self._parked.pop(parked_pool)
-            timer.cancel()
+            connection, _ = self._parked.pop(parked_pool)
             await _give_back(parked_pool, connection)
+        if not self._parked and self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     async def _watch(self) -> AsyncIterator[None]:
         # Suspended for the loop's life, as one of its async generators: closed, as

@@ -114,6 +114,22 @@ async def test_a_parked_connection_goes_back_to_its_pool_once_idle(client: redis
             await asyncio.sleep(0.01)
 
 
+async def test_a_connection_parked_again_at_every_step_stays_out_of_the_pool_while_steps_come(
+    client: redis.asyncio.Redis,
+) -> None:
+    # Its time in the park counts from its last park, not its first: a
+    # steady caller's steps, PARKED_FOR / 10 apart, never borrow again.
+    sem = AsyncFairSemaphore(client, "parked", 1)
+    await first_cycle(sem)
+    borrowed = borrows_by_lanes(client)
+
+    for _ in range(30):
+        await cycle(sem)
+        await asyncio.sleep(PARKED_FOR / 10)
+
+    assert borrowed[0] <= 1
+
+
 async def test_a_parked_connection_the_server_closed_is_not_used_again(
     redis_server: RedisServer, admin_client: redis.asyncio.Redis
 ) -> None:
