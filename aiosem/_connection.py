@@ -373,13 +373,10 @@ class keeping_connections:  # noqa: N801 -- used as a function: `async with keep
 
     async def __aexit__(self, *exc_info: object) -> None:
         _kept.reset(self._token)
-        park = self._park
-        # Most ends park their one connection: no scope to enter for them.
-        returning = [(pool, connection) for pool, connection in self._kept.items() if not park.leave(pool, connection)]
-        if returning:
-            with anyio.CancelScope(shield=True):
-                for pool, connection in returning:
-                    await pool.release(connection)
+        for pool, connection in self._kept.items():
+            # Most ends park their one connection: no scope to enter for them.
+            if not self._park.leave(pool, connection):
+                await _give_back(pool, connection)
 
 
 #: How long a connection stays parked for the next flusher of its event loop before it goes back to its pool.
