@@ -125,11 +125,25 @@ class SemaphoreKeys:
     """The keys of one semaphore, in the book's layout under ``base``."""
 
     base: str
-    #: `fair`, made once: every fair step sends it.
-    _fair: tuple[str, str, str, str, str, str, str, str, str, str, str] = field(init=False, repr=False, compare=False)
+    #: The keys every fair script takes, in order (and a release its receipt
+    #: after them): made once, as every fair step sends them.
+    fair: tuple[str, str, str, str, str, str, str, str, str, str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_fair", self._fair_keys())
+        fair = (
+            self.timeout_set,
+            self.owner_set,
+            self.counter,
+            self.queue,
+            self.waiters,
+            self.cancelled,
+            self.tickets,
+            self.limit,
+            self.holders,
+            self.weight,
+            self.arriving,
+        )
+        object.__setattr__(self, "fair", fair)
 
     @classmethod
     def for_name(cls, prefix: str, name: str) -> SemaphoreKeys:
@@ -200,23 +214,3 @@ class SemaphoreKeys:
     @property
     def lock(self) -> str:
         return f"lock:{self.base}"
-
-    @property
-    def fair(self) -> tuple[str, str, str, str, str, str, str, str, str, str, str]:
-        """The keys every fair script takes, in order (and a release its receipt after them)."""
-        return self._fair
-
-    def _fair_keys(self) -> tuple[str, str, str, str, str, str, str, str, str, str, str]:
-        return (
-            self.timeout_set,
-            self.owner_set,
-            self.counter,
-            self.queue,
-            self.waiters,
-            self.cancelled,
-            self.tickets,
-            self.limit,
-            self.holders,
-            self.weight,
-            self.arriving,
-        )
