@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Final
 
 from ._keys import weight_of
 from ._protocol import LIMIT_MISMATCH, NO_LIMIT, QUEUED, REFUSED, TOMBSTONED, TOO_HEAVY, Operation, Reply, Step
-from ._rules import COUNTER_TTL_MS, EXPIRE_SLACK_MS, RUN_LENGTH, TOMBSTONE_SECONDS, TOMBSTONE_TTL_MS, queue_ttl_ms
+from ._rules import (
+    COUNTER_TTL_MS,
+    EXPIRE_SLACK_MS,
+    RUN_LENGTH,
+    SKIPLIST_AT,
+    SKIPLIST_MEMBER_BYTES,
+    TOMBSTONE_SECONDS,
+    TOMBSTONE_TTL_MS,
+    queue_ttl_ms,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -157,10 +166,12 @@ def plan_step(state: ReadState, step: Step, members: Sequence[bytes]) -> Decisio
             draft.bring_limit()
         # As fair_acquire: an identifier named twice in one step gets its first answer.
         answered: dict[bytes, int] = {}
+        queued, mark = draft.queue_size, len(draft.writes)
         for member in members:
             if member not in answered:
                 answered[member] = draft.acquire(member, step)
         values = [answered[member] for member in members]
+        draft.grown(mark, queued, draft.queue_size, (state.keys.queue, state.keys.waiters))
     elif step is Step.PASS:
         values = []
         for holder, successor, token in zip(members[::3], members[1::3], members[2::3], strict=True):
@@ -393,6 +404,7 @@ class _Draft:
             return
         heads, self.served_first = self.fitting_heads(free)
         self.heads = [member for member in self.heads if member not in heads]
+        held, mark = len(self.owners), len(self.writes)
         messages: dict[str, list[str]] = {}
         for member in heads:
             owner = _owner(member)
@@ -404,12 +416,23 @@ class _Draft:
             if owner is not None and owner != state.caller:
                 messages.setdefault(owner, []).append(f"{identifier}:{token} ")
             self.granted.append((identifier, token))
+        self.grown(mark, held, len(self.owners), (state.keys.owner_set, state.keys.timeout_set))
         if heads:
             self.leave_queue(heads)
         for owner, grants in messages.items():
             self.writes.append((state.publish, state.keys.channels + owner, "".join(grants)))
         if heads:
             self.relay_run(heads[0])
+
+    def grown(self, mark: int, before: int, after: int, keys: Sequence[str]) -> None:
+        """As the scripts' aiosem_add_all: sorted sets grown to `SKIPLIST_AT` members by the writes from ``mark`` on.
+
+        They go to the skiplist encoding before those writes, by a member too long for the compact one, added
+        before them and taken out after.
+        """
+        if before < SKIPLIST_AT <= after:
+            self.writes[mark:mark] = [("ZADD", key, 0, _SKIPLIST_MOVER) for key in keys]
+            self.writes += [("ZREM", key, _SKIPLIST_MOVER) for key in keys]
 
     def relay_run(self, head: bytes) -> None:
         """As the scripts' aiosem_relay_run: a mutex just handed to the caller's ``head`` goes on through its run.
@@ -656,6 +679,10 @@ class _Draft:
             self.writes.append(("PEXPIRE", key, queue_ms, "NX"))
             if 0 <= ttl < queue_ms - EXPIRE_SLACK_MS:
                 self.writes.append(("PEXPIRE", key, queue_ms, "GT"))
+
+
+#: The member that moves a sorted set to the skiplist encoding, as the scripts write it.
+_SKIPLIST_MOVER: Final = "~" * SKIPLIST_MEMBER_BYTES
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:

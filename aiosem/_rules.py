@@ -18,6 +18,8 @@ __all__ = [
     "EXPIRE_MARGIN_MS",
     "EXPIRE_SLACK_MS",
     "RUN_LENGTH",
+    "SKIPLIST_AT",
+    "SKIPLIST_MEMBER_BYTES",
     "TOMBSTONE_SECONDS",
     "TOMBSTONE_TTL_MS",
     "queue_ttl_ms",
@@ -40,6 +42,15 @@ EXPIRE_MARGIN_MS: Final = 1000
 EXPIRE_SLACK_MS: Final = 500
 #: The most waiters one run relays a mutex to.
 RUN_LENGTH: Final = 64
+#: How many members a permit set or the queue grows to when a step adding
+#: members moves it to Redis's skiplist encoding (see ``aiosem_add_all`` in
+#: the scripts' prelude): a compact (listpack) sorted set places each member
+#: it adds by a scan that parses every score on its way.
+SKIPLIST_AT: Final = 8
+#: How long the member is that moves a set to the skiplist encoding: past
+#: ``zset-max-listpack-value`` (64 bytes by default), as far as a server
+#: tuned for memory would raise it.
+SKIPLIST_MEMBER_BYTES: Final = 1025
 
 
 def queue_ttl_ms(waiter_ttl: float) -> int:

@@ -139,6 +139,29 @@ local function aiosem_touch_all(key, score, members)
   end
 end
 
+-- Add the score-member `pairs` to each of the sorted sets `keys`, which
+-- hold `size` members now. A set that grows to SKIPLIST_AT members goes to
+-- Redis's skiplist encoding first, where a member costs the same to add
+-- whatever the set's size: in the compact one (listpack) each is placed by a
+-- scan that parses every score on its way, so a step that adds many pays
+-- for the set's size many times over. A member too long for the compact
+-- encoding, added first and taken out last, moves it; nobody sees it, and
+-- no set moves back on its own. (A set emptied is deleted, and starts
+-- compact again.)
+local function aiosem_add_all(keys, size, pairs_by_key)
+  local grows = size < SKIPLIST_AT and size + #pairs_by_key[1] / 2 >= SKIPLIST_AT
+  local mover = grows and string.rep('~', SKIPLIST_MEMBER_BYTES)
+  for i, key in ipairs(keys) do
+    if mover then
+      redis.call('ZADD', key, 0, mover)
+    end
+    aiosem_in_chunks('ZADD', key, pairs_by_key[i])
+    if mover then
+      redis.call('ZREM', key, mover)
+    end
+  end
+end
+
 -- Who an identifier is, for `python -m aiosem status` and the reaper: the
 -- caller's record, a JSON array [lease in ms, pid, host, label or null],
 -- written once, as the identifier joins the queue or is granted a permit
@@ -415,6 +438,8 @@ local function aiosem_hand_off(free, state, granted, relayed)
   -- The tokens drawn and the permits written together: a step that serves
   -- many waiters pays for one command of each kind, not one per waiter.
   local messages, tokens, leases = {}, {}, {}
+  -- Counted before aiosem_count_held adds the heads.
+  local held = state.holders - state.extra
   local first = aiosem_next_tokens(now, #heads)
   local own_stamp = aiosem_seconds(now)
   local handed_stamp = aiosem_seconds(now - lease + math.min(waiter_ttl, lease))
@@ -436,8 +461,7 @@ local function aiosem_hand_off(free, state, granted, relayed)
     granted[#granted + 1] = identifier
     granted[#granted + 1] = token
   end
-  aiosem_in_chunks('ZADD', OWNERS, tokens)
-  aiosem_in_chunks('ZADD', TIMEOUTS, leases)
+  aiosem_add_all({OWNERS, TIMEOUTS}, held, {tokens, leases})
   aiosem_in_chunks('ZREM', QUEUE, heads)
   aiosem_in_chunks('ZREM', WAITERS, heads)
   state.queued = state.queued - #heads

@@ -91,8 +91,8 @@ local function join_queue(joining, state)
     deadlines[#deadlines + 1] = alive_until
     deadlines[#deadlines + 1] = identifier
   end
-  aiosem_in_chunks('ZADD', QUEUE, tickets)
-  aiosem_in_chunks('ZADD', WAITERS, deadlines)
+  -- state.queued counts them already.
+  aiosem_add_all({QUEUE, WAITERS}, state.queued - count, {tickets, deadlines})
   aiosem_enter_all(joining, state)
 end
 
