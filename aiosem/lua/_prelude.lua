@@ -139,15 +139,15 @@ local function aiosem_touch_all(key, score, members)
   end
 end
 
--- Add the score-member `pairs` to each of the sorted sets `keys`, which
--- hold `size` members now. A set that grows to SKIPLIST_AT members goes to
--- Redis's skiplist encoding first, where a member costs the same to add
--- whatever the set's size: in the compact one (listpack) each is placed by a
--- scan that parses every score on its way, so a step that adds many pays
--- for the set's size many times over. A member too long for the compact
--- encoding, added first and taken out last, moves it; nobody sees it, and
--- no set moves back on its own. (A set emptied is deleted, and starts
--- compact again.)
+-- Add to each of the sorted sets `keys`, which hold `size` members now, its
+-- score-member pairs in `pairs_by_key` (one list a key). A set that grows
+-- to SKIPLIST_AT members goes to Redis's skiplist encoding first, where a
+-- member costs the same to add whatever the set's size: in the compact one
+-- (listpack) each is placed by a scan that parses every score on its way,
+-- so a step that adds many pays for the set's size many times over. A
+-- member too long for the compact encoding, added first and taken out last,
+-- moves it; nobody sees it, and no set moves back on its own. (A set
+-- emptied is deleted, and starts compact again.)
 local function aiosem_add_all(keys, size, pairs_by_key)
   local grows = size < SKIPLIST_AT and size + #pairs_by_key[1] / 2 >= SKIPLIST_AT
   local mover = grows and string.rep('~', SKIPLIST_MEMBER_BYTES)
