@@ -24,7 +24,7 @@ from ._rules import (
     EXPIRE_SLACK_MS,
     RUN_LENGTH,
     SKIPLIST_AT,
-    SKIPLIST_MEMBER_BYTES,
+    SKIPLIST_MOVER,
     TOMBSTONE_SECONDS,
     TOMBSTONE_TTL_MS,
     queue_ttl_ms,
@@ -431,8 +431,8 @@ class _Draft:
         before them and taken out after.
         """
         if before < SKIPLIST_AT <= after:
-            self.writes[mark:mark] = [("ZADD", key, 0, _SKIPLIST_MOVER) for key in keys]
-            self.writes += [("ZREM", key, _SKIPLIST_MOVER) for key in keys]
+            self.writes[mark:mark] = [("ZADD", key, 0, SKIPLIST_MOVER) for key in keys]
+            self.writes += [("ZREM", key, SKIPLIST_MOVER) for key in keys]
 
     def relay_run(self, head: bytes) -> None:
         """As the scripts' aiosem_relay_run: a mutex just handed to the caller's ``head`` goes on through its run.
@@ -679,10 +679,6 @@ class _Draft:
             self.writes.append(("PEXPIRE", key, queue_ms, "NX"))
             if 0 <= ttl < queue_ms - EXPIRE_SLACK_MS:
                 self.writes.append(("PEXPIRE", key, queue_ms, "GT"))
-
-
-#: The member that moves a sorted set to the skiplist encoding, as the scripts write it.
-_SKIPLIST_MOVER: Final = "~" * SKIPLIST_MEMBER_BYTES
 
 
 def _by_score(item: tuple[bytes, float]) -> tuple[float, bytes]:

@@ -20,6 +20,8 @@ __all__ = [
     "RUN_LENGTH",
     "SKIPLIST_AT",
     "SKIPLIST_MEMBER_BYTES",
+    "SKIPLIST_MOVER",
+    "SKIPLIST_MOVER_BYTE",
     "TOMBSTONE_SECONDS",
     "TOMBSTONE_TTL_MS",
     "queue_ttl_ms",
@@ -47,10 +49,14 @@ RUN_LENGTH: Final = 64
 #: the scripts' prelude): a compact (listpack) sorted set places each member
 #: it adds by a scan that parses every score on its way.
 SKIPLIST_AT: Final = 8
-#: How long the member is that moves a set to the skiplist encoding: past
-#: ``zset-max-listpack-value`` (64 bytes by default), as far as a server
-#: tuned for memory would raise it.
+#: The member that moves a set to the skiplist encoding is this byte,
+#: ``SKIPLIST_MEMBER_BYTES`` times: longer than ``zset-max-listpack-value``
+#: (64 bytes by default) as far as a server tuned for memory would raise it,
+#: and so never an identifier.
+SKIPLIST_MOVER_BYTE: Final = "~"
 SKIPLIST_MEMBER_BYTES: Final = 1025
+#: That member, as the scripts spell it (``string.rep``) and the plan writes it.
+SKIPLIST_MOVER: Final = SKIPLIST_MOVER_BYTE * SKIPLIST_MEMBER_BYTES
 
 
 def queue_ttl_ms(waiter_ttl: float) -> int:

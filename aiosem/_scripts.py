@@ -44,6 +44,7 @@ LUA_CONSTANTS: Mapping[str, int | str] = {
     "RUN_LENGTH": _rules.RUN_LENGTH,
     "SKIPLIST_AT": _rules.SKIPLIST_AT,
     "SKIPLIST_MEMBER_BYTES": _rules.SKIPLIST_MEMBER_BYTES,
+    "SKIPLIST_MOVER_BYTE": _rules.SKIPLIST_MOVER_BYTE,
     "QUEUED": QUEUED,
     "REFUSED": REFUSED,
     "TOMBSTONED": TOMBSTONED,
@@ -57,8 +58,8 @@ LUA_CONSTANTS: Mapping[str, int | str] = {
 def _lua_literal(value: int | str) -> str:
     if isinstance(value, int):
         return str(value)
-    if not value.isidentifier():  # pragma: no cover -- modes are bare words
-        raise ValueError(f"a Lua constant must be a bare word, got {value!r}")
+    if not value.isprintable() or not value.isascii() or "'" in value or "\\" in value:  # pragma: no cover -- none is
+        raise ValueError(f"a Lua constant must be printable ASCII without quotes or backslashes, got {value!r}")
     return f"'{value}'"
 
 

@@ -150,7 +150,7 @@ end
 -- emptied is deleted, and starts compact again.)
 local function aiosem_add_all(keys, size, pairs_by_key)
   local grows = size < SKIPLIST_AT and size + #pairs_by_key[1] / 2 >= SKIPLIST_AT
-  local mover = grows and string.rep('~', SKIPLIST_MEMBER_BYTES)
+  local mover = grows and string.rep(SKIPLIST_MOVER_BYTE, SKIPLIST_MEMBER_BYTES)
   for i, key in ipairs(keys) do
     if mover then
       redis.call('ZADD', key, 0, mover)

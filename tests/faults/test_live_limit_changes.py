@@ -54,6 +54,7 @@ import anyio
 import pytest
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem._rules import SKIPLIST_MOVER
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -203,6 +204,8 @@ class Replay:
             while rest and rest[0].upper() in {"NX", "XX", "GT", "LT", "CH"}:
                 rest.pop(0)
             for score, member in zip(rest[::2], rest[1::2], strict=True):
+                if member == SKIPLIST_MOVER:
+                    continue  # added and taken out in one step, to move the set to the skiplist encoding
                 if key == keys.queue:
                     self.queue[member] = float(score)
                 else:
@@ -210,7 +213,7 @@ class Replay:
         elif key in {keys.owner_set, keys.queue} and command == "ZREM":
             target = self.owners if key == keys.owner_set else self.queue
             for member in rest:
-                if target.pop(member, None) is not None and key == keys.owner_set:
+                if member != SKIPLIST_MOVER and target.pop(member, None) is not None and key == keys.owner_set:
                     step.released += 1
         else:
             # A write the replay does not model (a reaper's ZINTERSTORE, a DEL):
