@@ -213,7 +213,7 @@ class Replay:
         elif key in {keys.owner_set, keys.queue} and command == "ZREM":
             target = self.owners if key == keys.owner_set else self.queue
             for member in rest:
-                if member != SKIPLIST_MOVER and target.pop(member, None) is not None and key == keys.owner_set:
+                if target.pop(member, None) is not None and key == keys.owner_set:
                     step.released += 1
         else:
             # A write the replay does not model (a reaper's ZINTERSTORE, a DEL):
