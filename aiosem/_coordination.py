@@ -74,7 +74,10 @@ class Submission(Generic[R]):
     """The identifiers of one call to a `Lane`, and whether a batch carried them to Redis.
 
     A caller cancelled once its identifiers were sent knows that Redis may
-    have acted on them (`sent`), and undoes that by identifier.
+    have acted on them (`sent`), and undoes that by identifier. The lane
+    hands the call its outcome through `settle`; a kind of call that waits
+    on something else than `answer` (a blocking acquire, on its waiter)
+    says so by overriding `settle` and `abandoned`.
     """
 
     __slots__ = ("answer", "identifiers", "sent", "waiting_since")
@@ -93,7 +96,24 @@ class Submission(Generic[R]):
     @property
     def abandoned(self) -> bool:
         """Whether the caller gave up before a batch carried these identifiers: they are left out."""
-        return not self.sent and self.answer is not None and self.answer.cancelled()
+        # Only the batch settles an answer: one settled before it was sent was given up on.
+        return not self.sent and self.answer is not None and self.answer.done()
+
+    def settle(self, outcome: tuple[Sequence[int], R] | BaseException) -> None:
+        """Give the caller its outcome, unless it gave up on it.
+
+        Called in the lane's task, as the batch's reply is read: no caller
+        has run since.
+        """
+        answer = self.answer
+        if answer is None or answer.done():
+            return
+        if isinstance(outcome, asyncio.CancelledError):
+            answer.cancel()
+        elif isinstance(outcome, BaseException):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
 
 
 class Lane(Generic[R]):
@@ -133,18 +153,22 @@ class Lane(Generic[R]):
             Raised at once. If ``submission.sent`` is set by then, the step
             goes on and may take effect: the caller must undo what it did.
         """
-        loop = asyncio.get_running_loop()
         # Awaited directly, not through `asyncio.shield`: the flusher settles
         # it, and a caller's cancellation cancels only it, one loop turn sooner.
-        answer: asyncio.Future[tuple[Sequence[int], R]] = loop.create_future()
+        answer: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
         submission.answer = answer
+        self.enqueue(submission)
+        return await answer
+
+    def enqueue(self, submission: Submission[R]) -> None:
+        """Have the submission's identifiers go with the next batch; its `Submission.settle` hears the outcome."""
+        loop = asyncio.get_running_loop()
         submission.waiting_since = loop.time()
         self._pending.append(submission)
         if self._flusher is None:
             # Not the loop's task factory: an eager one would start the batch
             # before the other calls of this turn could join it.
             self._flusher = asyncio.Task(self._flush(), loop=loop, name="aiosem lane")
-        return await answer
 
     async def _flush(self) -> None:
         async with keeping_connections():
@@ -158,7 +182,7 @@ class Lane(Generic[R]):
                 # Before the kept connections go back: a call made meanwhile starts a flusher of its own.
                 self._flusher = None
                 for submission in self._pending:
-                    _settle(submission, asyncio.CancelledError())
+                    submission.settle(asyncio.CancelledError())
                 self._pending = []
 
     async def _run_batch(self, batch: list[Submission[R]]) -> None:
@@ -169,31 +193,18 @@ class Lane(Generic[R]):
             result = await self._run([i for submission in batch for i in submission.identifiers], waiting_since)
         except Exception as error:  # noqa: BLE001 -- every call of the batch gets the batch's error
             for submission in batch:
-                _settle(submission, error)
+                submission.settle(error)
             return
         except BaseException as error:
             for submission in batch:
-                _settle(submission, asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error)
+                submission.settle(asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error)
             raise
         values = result.values  # type: ignore[attr-defined]
         offset = 0
         for submission in batch:
             count = len(submission.identifiers)
-            _settle(submission, (values[offset : offset + count], result))
+            submission.settle((values[offset : offset + count], result))
             offset += count
-
-
-def _settle(submission: Submission[R], outcome: tuple[Sequence[int], R] | BaseException) -> None:
-    """Give ``submission`` its outcome, unless its caller gave up on it."""
-    answer = submission.answer
-    if answer is None or answer.done():
-        return
-    if isinstance(outcome, asyncio.CancelledError):
-        answer.cancel()
-    elif isinstance(outcome, BaseException):
-        answer.set_exception(outcome)
-    else:
-        answer.set_result(outcome)
 
 
 class _Kinds(NamedTuple):

@@ -195,19 +195,38 @@ class Core:
 
     async def submit(self, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> tuple[Sequence[int], Reply]:
         """Carry out ``step`` for ``identifiers``, with its other callers of the moment: results, and reply."""
+        submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
+        try:
+            return await self._lane(step).submit(submission)
+        except redis.AuthenticationError:
+            raise  # redis-py's own class, which callers catch: it says what was refused
+        except redis.ConnectionError as error:
+            raise self.failure(error) from None
+
+    def enqueue(self, step: Step, submission: Submission[Reply]) -> None:
+        """Have ``step`` carried out for ``submission``, which hears the outcome itself (see `Submission.settle`)."""
+        self._lane(step).enqueue(submission)
+
+    def failure(self, error: BaseException) -> BaseException:
+        """What the caller of a step raises for the step's ``error``.
+
+        A connection's failure is raised afresh, in the caller's task (``from
+        None``): one short traceback, from the caller's frames, that says
+        which Redis could not be reached. redis-py's `AuthenticationError`
+        says what was refused, and stays as it is.
+        """
+        if isinstance(error, redis.ConnectionError) and not isinstance(error, redis.AuthenticationError):
+            failure = unavailable(error, self.settings.name, address(self.client))
+            failure.__cause__, failure.__suppress_context__ = None, True
+            return failure
+        return error
+
+    def _lane(self, step: Step) -> Lane[Reply]:
         self.bind()
         lane = self._lanes.get(step)
         if lane is None:
             lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since))
-        submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
-        try:
-            return await lane.submit(submission)
-        except redis.AuthenticationError:
-            raise  # redis-py's own class, which callers catch: it says what was refused
-        except redis.ConnectionError as error:
-            # Raised afresh in the caller's task: one short traceback, from
-            # the caller's frames, that says which Redis could not be reached.
-            raise unavailable(error, self.settings.name, address(self.client)) from None
+        return lane
 
     async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
         """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""

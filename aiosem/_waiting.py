@@ -82,8 +82,10 @@ class Waiter:
 
     Attributes:
         identifier: Its identifier in Redis: the object's, a dot, its own.
-        future: Resolved with the fencing token when the permit is its own,
-            or failed by `WaitQueue.close`.
+        future: Resolved with the fencing token when the permit is its own
+            (or with the code its first step answered instead), or failed:
+            by its step's error, by `WaitQueue.close`, or when its wait
+            runs out.
         state: Where it is in its life.
         proven: Loop time when the last step that found it queued was sent:
             a permit handed to it later has a lease from then on.
@@ -91,7 +93,7 @@ class Waiter:
             confirming step was sent, seconds it lasts).
     """
 
-    __slots__ = ("future", "identifier", "lease", "proven", "state")
+    __slots__ = ("future", "identifier", "lease", "proven", "state", "timer")
 
     def __init__(self, identifier: str, future: asyncio.Future[int]) -> None:
         self.identifier = identifier
@@ -99,6 +101,8 @@ class Waiter:
         self.state = WaiterState.ARRIVING
         self.proven = -math.inf
         self.lease: tuple[float, float] | None = None
+        #: Ends the wait at its deadline, once queued.
+        self.timer: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
         return f"Waiter({self.identifier!r}, {self.state.value}{', returned' if self.future.done() else ''})"
@@ -125,22 +129,50 @@ class Waiter:
         future = self.future
         return future.exception() if future.done() and not future.cancelled() else None
 
-    async def granted_within(self, wait: float | None) -> int:
-        """The token granted within ``wait`` seconds (``None``: for ever), or 0 if none was.
+    def give_up_at(self, deadline: float) -> None:
+        """Have the caller stop waiting at ``deadline`` (loop time), unless a grant comes first.
 
         A timer, not a cancel scope: waiting is what most acquires do under
         contention, and a scope costs several times what a timer does. A grant
         that comes first is taken, however late in the wait.
         """
-        if wait is None:
-            return await self.future
-        timer = asyncio.get_running_loop().call_later(wait, self.fail, _TimeUp())
+        self.timer = asyncio.get_running_loop().call_at(deadline, self.fail, _TimeUp())
+
+    async def outcome(self) -> int:
+        """What the caller gets: a token, a code its first step answered, or 0 if its wait ran out first."""
         try:
             return await self.future
         except _TimeUp:
             return 0
         finally:
-            timer.cancel()
+            if self.timer is not None:
+                self.timer.cancel()
+
+
+class _Arrival(Submission[Reply]):
+    """A blocking acquire's first step, answered straight into its waiter's future.
+
+    The caller awaits one future from its call until its grant: the step's
+    reply, read in the lane's task, either grants the waiter (`observe`),
+    or queues it -- and the caller waits on, woken only by its grant -- or
+    answers it with a code, or fails it. One wake-up where a lane's answer
+    and then the grant took two.
+    """
+
+    __slots__ = ("deadline", "queue", "waiter")
+
+    def __init__(self, queue: WaitQueue, waiter: Waiter, deadline: float | None) -> None:
+        super().__init__((waiter.identifier,))
+        self.queue = queue
+        self.waiter = waiter
+        self.deadline = deadline
+
+    @property
+    def abandoned(self) -> bool:
+        return not self.sent and self.waiter.future.done()
+
+    def settle(self, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
+        self.queue._arrived(self, outcome)  # noqa: SLF001 -- the queue's own submission
 
 
 class WaitQueue:
@@ -227,24 +259,21 @@ class WaitQueue:
         loop = asyncio.get_running_loop()
         deadline = None if wait is None else loop.time() + wait
         identifier = weighted(f"{core.process}.{secrets.token_hex(8)}", weight)
-        submission: Submission[Reply] = Submission((identifier,))
+        submission: Submission[Reply] | None = None
         waiter: Waiter | None = None
         try:
-            if wait != 0:
+            if wait == 0:
+                submission = Submission((identifier,))
+                confirmed = (loop.time(), core.settings.timeout)  # a lease from before the step was sent
+                (value,), _ = await core.submit(Step.TRY, submission)
+            else:
                 waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
                 await core.backend.arrive(identifier)
-            sent = loop.time()
-            if waiter is not None:
                 # Queued, if at all, after this: so was any grant handed over by message.
-                waiter.proven = sent
-            (value,), reply = await core.submit(Step.TRY if waiter is None else Step.WAIT, submission)
-            confirmed = (sent, core.settings.timeout)
-            if waiter is not None:
-                if (failure := waiter.read_failure()) is not None:
-                    raise failure  # noqa: TRY301 -- the object was closed meanwhile: what was granted goes back
-                if value == QUEUED:
-                    value = await self._wait_in_queue(waiter, reply, deadline)
-                    confirmed = waiter.lease or confirmed
+                waiter.proven = loop.time()
+                submission = _Arrival(self, waiter, deadline)
+                core.enqueue(Step.WAIT, submission)
+                value = await waiter.outcome()
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
             # did happen ends with its lease, and a cancel would only delay
@@ -255,24 +284,40 @@ class WaitQueue:
             # must not queue it again.
             self._waiters.pop(identifier, None)
             self._queued.pop(identifier, None)
-            if submission.sent or waiter is not None:
-                await self.give_up(identifier, sent=submission.sent)
+            sent = submission is not None and submission.sent
+            if sent or waiter is not None:
+                await self.give_up(identifier, sent=sent)
             raise
         finally:
             self._leave(identifier, waiter)
         if value == 0 and waiter is not None:
             await self.give_up(identifier)  # its wait ran out
+        if waiter is not None:
+            confirmed = waiter.lease or (waiter.proven, core.settings.timeout)
         return identifier, value, confirmed
 
-    async def _wait_in_queue(self, waiter: Waiter, reply: Reply, deadline: float | None) -> int:
-        """Wait, queued, for ``waiter`` to be granted until ``deadline`` (loop time): its token, or 0 if too late."""
+    def _arrived(self, arrival: _Arrival, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
+        """What the first step of a blocking acquire answered, read in the lane's task."""
+        waiter = arrival.waiter
+        if not waiter.pending:
+            return  # granted by the reply (`observe`) or a message, or given up on, or failed by `close`
+        if isinstance(outcome, asyncio.CancelledError):
+            waiter.future.cancel()
+            return
+        if isinstance(outcome, BaseException):
+            waiter.future.set_exception(self._core.failure(outcome))
+            return
+        (value,), reply = outcome
+        if value != QUEUED:
+            waiter.future.set_result(value)  # a code: neither granted nor queued
+            return
         if waiter.state is WaiterState.ARRIVING:
             waiter.state = WaiterState.QUEUED
         self._queued[waiter.identifier] = waiter
         self._listen()  # the pump's next heartbeat proves this waiter alive too
         self.recheck_when(reply)
-        loop = asyncio.get_running_loop()
-        return await waiter.granted_within(None if deadline is None else max(0.0, deadline - loop.time()))
+        if arrival.deadline is not None:
+            waiter.give_up_at(arrival.deadline)
 
     def _leave(self, identifier: str, waiter: Waiter | None) -> None:
         """Forget an acquire that has ended, whichever way; a claim of its permit goes on."""
