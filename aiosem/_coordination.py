@@ -105,15 +105,20 @@ class Submission(Generic[R]):
         Called in the lane's task, as the batch's reply is read: no caller
         has run since.
         """
-        answer = self.answer
-        if answer is None or answer.done():
-            return
-        if isinstance(outcome, asyncio.CancelledError):
-            answer.cancel()
-        elif isinstance(outcome, BaseException):
-            answer.set_exception(outcome)
-        else:
-            answer.set_result(outcome)
+        if self.answer is not None:
+            resolve(self.answer, outcome)
+
+
+def resolve(future: asyncio.Future[T], outcome: T | BaseException) -> None:
+    """Settle ``future`` with ``outcome`` -- a value, an error, or a cancellation -- unless it is settled already."""
+    if future.done():
+        return
+    if isinstance(outcome, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class Lane(Generic[R]):
@@ -136,13 +141,20 @@ class Lane(Generic[R]):
     ``run`` takes the identifiers of a batch, and when the longest-waiting
     call of the batch began to wait, and returns a result whose ``values``
     hold one value per identifier. A call's bound counts from its call,
-    waiting included.
+    waiting included. ``failure`` gives each call of a failed batch the
+    error it is to raise (a fresh one each: an exception raised in several
+    tasks gathers all their tracebacks).
     """
 
-    __slots__ = ("_flusher", "_pending", "_run")
+    __slots__ = ("_failure", "_flusher", "_pending", "_run")
 
-    def __init__(self, run: Callable[[Sequence[str], float | None], Awaitable[R]]) -> None:
+    def __init__(
+        self,
+        run: Callable[[Sequence[str], float | None], Awaitable[R]],
+        failure: Callable[[Exception], BaseException] | None = None,
+    ) -> None:
         self._run = run
+        self._failure = failure
         self._pending: list[Submission[R]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -193,7 +205,7 @@ class Lane(Generic[R]):
             result = await self._run([i for submission in batch for i in submission.identifiers], waiting_since)
         except Exception as error:  # noqa: BLE001 -- every call of the batch gets the batch's error
             for submission in batch:
-                submission.settle(error)
+                submission.settle(error if self._failure is None else self._failure(error))
             return
         except BaseException as error:
             for submission in batch:
@@ -638,7 +650,7 @@ CLEANUP_TIMEOUT: Final = 5.0
 
 
 async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_TIMEOUT) -> T:
-    """Run ``call`` in a task of its own, and wait for it through any cancellation, for up to ``seconds``.
+    """Wait for ``call`` -- run in a task of its own, unless a future -- through any cancellation, up to ``seconds``.
 
     What a cancelled caller must still do -- give back a permit, leave the
     queue -- is done before its cancellation goes on, whether that came from
@@ -655,7 +667,7 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
         task.set_name(name)
-    _detached.keep(task)
+        _detached.keep(task)  # a future is kept by whoever is to settle it
     task.add_done_callback(_ended)
     if task.done():  # an eager task factory ran it to its end already
         return task.result()

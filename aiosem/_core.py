@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import redis
 
 from ._connection import Client, address, give_back_parked, redirected, scored, text, transaction
-from ._coordination import Lane, Submission, detached, to_the_end
+from ._coordination import Lane, Submission, detached, resolve, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, unavailable
 from ._holding import Holdings
 from ._keys import encode_record
@@ -116,6 +116,23 @@ def _record(lease: float, label: str | None, pid: int) -> str:
     return encode_record(lease, pid, _HOST, label)
 
 
+class _One(Submission[Reply]):
+    """A call for one identifier whose caller awaits its value alone (see `Core.send`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, identifier: str) -> None:
+        super().__init__((identifier,))
+        self.value: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    @property
+    def abandoned(self) -> bool:
+        return not self.sent and self.value.done()
+
+    def settle(self, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
+        resolve(self.value, outcome if isinstance(outcome, BaseException) else outcome[0][0])
+
+
 class Core:
     """The identity, the steps and the parts of one semaphore object (see the module's docstring)."""
 
@@ -194,21 +211,30 @@ class Core:
         return self.settings.replicas if step.waits_for_replicas else 0
 
     async def submit(self, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> tuple[Sequence[int], Reply]:
-        """Carry out ``step`` for ``identifiers``, with its other callers of the moment: results, and reply."""
+        """Carry out ``step`` for ``identifiers``, with its other callers of the moment: results, and reply.
+
+        Raises:
+            redis.RedisError: The step failed, as `failure` says.
+        """
         submission = identifiers if isinstance(identifiers, Submission) else Submission(identifiers)
-        try:
-            return await self._lane(step).submit(submission)
-        except redis.AuthenticationError:
-            raise  # redis-py's own class, which callers catch: it says what was refused
-        except redis.ConnectionError as error:
-            raise self.failure(error) from None
+        return await self._lane(step).submit(submission)
+
+    def send(self, step: Step, identifier: str) -> asyncio.Future[int]:
+        """Have ``step`` carried out for one identifier: the future of its value, which a cancellation leaves alone.
+
+        Awaited, it raises as `submit` does; cancelled before its step is
+        sent, the identifier is left out of it.
+        """
+        call = _One(identifier)
+        self._lane(step).enqueue(call)
+        return call.value
 
     def enqueue(self, step: Step, submission: Submission[Reply]) -> None:
         """Have ``step`` carried out for ``submission``, which hears the outcome itself (see `Submission.settle`)."""
         self._lane(step).enqueue(submission)
 
     def failure(self, error: BaseException) -> BaseException:
-        """What the caller of a step raises for the step's ``error``.
+        """What the caller of a step raises for the step's ``error``, a new one for each caller.
 
         A connection's failure is raised afresh, in the caller's task (``from
         None``): one short traceback, from the caller's frames, that says
@@ -217,7 +243,8 @@ class Core:
         """
         if isinstance(error, redis.ConnectionError) and not isinstance(error, redis.AuthenticationError):
             failure = unavailable(error, self.settings.name, address(self.client))
-            failure.__cause__, failure.__suppress_context__ = None, True
+            # As ``raise failure from None`` in an ``except`` of ``error``: shown alone, kept for a debugger.
+            failure.__cause__, failure.__context__, failure.__suppress_context__ = None, error, True
             return failure
         return error
 
@@ -225,7 +252,7 @@ class Core:
         self.bind()
         lane = self._lanes.get(step)
         if lane is None:
-            lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since))
+            lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since), self.failure)
         return lane
 
     async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:

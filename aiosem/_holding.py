@@ -413,8 +413,17 @@ class Holdings:
         """
         if lost is not None:
             return lost
+        _, sent = self._core.semaphore._send_release(permit)  # noqa: SLF001 -- the object's own release
+        # A future already, unless a relayed mutex's coroutine: awaited through
+        # any cancellation, with nothing of its own to start.
+        answer = asyncio.ensure_future(sent)
         try:
-            released = await to_the_end(self._core.semaphore.release(permit), name=f"the release of {permit}")
+            released = await to_the_end(answer, name=f"the release of {permit}")
+        except asyncio.CancelledError:
+            # Cancelled while the release went on to its end: told all the same.
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                told_released(permit, None, answer.result())
+            raise
         except Exception:
             if exc is None:
                 raise
@@ -425,10 +434,19 @@ class Holdings:
                 extra=log_fields(permit.name, permit.identifier),
             )
             return None  # nothing more is known than before
-        if released:
+        told_released(permit, None, released)
+        if released == 1:
             return None
         emit_permit("lost", permit)
         return PermitLost(name=permit.name, identifier=permit.identifier)
+
+
+def told_released(permit: Permit, hold: Hold | None, released: int) -> None:
+    """Tell what a release answered (1: the permit was held until then): released, or -- if it was kept -- lost."""
+    if released == 1:
+        emit_permit("released", permit)
+    elif hold is not None:
+        hold.lose("the release found it gone")
 
 
 #: The holds of the current task's ``async with`` blocks, each under its semaphore object.

@@ -162,7 +162,8 @@ class WatchedSteps:
         self._on_the_way: set[bytes] = set()
         #: The waiters whose tickets are being drawn: set once the draw has ended, or failed.
         self._drawing: dict[bytes, asyncio.Event] = {}
-        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets)
+        # Its failures are raised as a step's are: a lost connection names the Redis it could not reach.
+        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets, core.failure)
 
     async def close(self) -> None:
         """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""

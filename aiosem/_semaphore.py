@@ -30,8 +30,9 @@ from ._connection import (
 from ._coordination import detached
 from ._core import Core, Settings
 from ._exceptions import AcquireTimeout, LimitMismatch, LimitNotSet
+from ._holding import told_released
 from ._keys import SemaphoreKeys, check_prefix, decode_limit
-from ._observing import emit, emit_permit, log_fields
+from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, DEFAULT_TIMEOUT, _Default
 from ._permit import Permit
 from ._protocol import LIMIT_MISMATCH, NO_LIMIT, TOO_HEAVY, Reply, Step
@@ -49,11 +50,12 @@ from ._validation import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
     from contextlib import AbstractAsyncContextManager
     from types import TracebackType
 
     from ._core import Backend
+    from ._holding import Hold
     from ._options import LostCallback, SemaphoreOptions
 
 logger = logging.getLogger("aiosem")
@@ -347,21 +349,29 @@ class _Semaphore:
             Redis. ``async with`` shields its release for you.
         """
         permit = self._check_permit(permit)
-        # Before anything is dropped: another loop's call must leave this loop's hold alone.
-        self._core.bind()
-        self._core.queue.forget_claim(permit.identifier)
-        hold = self._core.holdings.get(permit.identifier)
-        if hold is not None:
-            self._core.holdings.drop(hold)
-        if self._core.relay is not None and self._core.relay.holds(permit.identifier):
-            released = int(await self._core.relay.relay(permit.identifier))
-        else:
-            (released,), _ = await self._core.submit(Step.RELEASE, (permit.identifier,))
-        if released == 1:
-            emit_permit("released", permit)
-        elif hold is not None:
-            hold.lose("the release found it gone")
+        hold, answer = self._send_release(permit)
+        released = await answer
+        told_released(permit, hold, released)
         return released == 1
+
+    def _send_release(self, permit: Permit) -> tuple[Hold | None, Awaitable[int]]:
+        """Stop keeping ``permit`` alive and send its release: its hold, if it had one, and what the release answers.
+
+        The answer is 1 if the permit was held until then. It is a future
+        that a cancellation of its awaiter cancels, and leaves out of its
+        step if the step has not gone yet; for a relayed mutex, the relay's
+        coroutine.
+        """
+        core = self._core
+        # Before anything is dropped: another loop's call must leave this loop's hold alone.
+        core.bind()
+        core.queue.forget_claim(permit.identifier)
+        hold = core.holdings.get(permit.identifier)
+        if hold is not None:
+            core.holdings.drop(hold)
+        if core.relay is not None and core.relay.holds(permit.identifier):
+            return hold, core.relay.relay(permit.identifier)
+        return hold, core.send(Step.RELEASE, permit.identifier)
 
     async def refresh(self, permit: Permit) -> bool:
         """Restart a held permit's lease, so it lasts another ``timeout``.

@@ -25,7 +25,7 @@ import anyio
 import redis
 
 from ._channel import Channel
-from ._coordination import Submission, raise_if_cancel_swallowed, to_the_end
+from ._coordination import Submission, raise_if_cancel_swallowed, resolve, to_the_end
 from ._exceptions import SemaphoreError
 from ._keys import weighted
 from ._observing import log_fields
@@ -301,11 +301,8 @@ class WaitQueue:
         waiter = arrival.waiter
         if not waiter.pending:
             return  # granted by the reply (`observe`) or a message, or given up on, or failed by `close`
-        if isinstance(outcome, asyncio.CancelledError):
-            waiter.future.cancel()
-            return
         if isinstance(outcome, BaseException):
-            waiter.future.set_exception(self._core.failure(outcome))
+            resolve(waiter.future, outcome)
             return
         (value,), reply = outcome
         if value != QUEUED:

@@ -20,7 +20,8 @@ import anyio
 import pytest
 import redis.asyncio
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit
+import aiosem
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimiterEvent, Permit
 from aiosem._rules import TOMBSTONE_TTL_MS, queue_ttl_ms
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
@@ -411,6 +412,29 @@ async def test_a_cancelled_async_with_raises_and_leaves_nothing_wherever_it_land
         assert (await sem.count(), await sem.waiting()) == (0, 0), f"cancelled after {turns} turns"
         await sem.aclose()
     await assert_nothing_left(cls(direct, "sweep-with", 1), direct, tombstones=True)
+
+
+async def test_every_permit_an_async_with_took_is_told_released_wherever_its_cancellation_lands(
+    cls: SemaphoreClass, users_client: redis.asyncio.Redis
+) -> None:
+    told: list[LimiterEvent] = []
+
+    async def body(sem: Semaphore) -> None:
+        async with sem:
+            await asyncio.sleep(0)
+
+    aiosem.add_observer(told.append)
+    try:
+        for turns in CANCEL_AFTER:
+            sem = cls(users_client, "told", 1)
+            await cancelled_after(turns, body(sem))
+            await sem.aclose()
+    finally:
+        aiosem.remove_observer(told.append)
+    acquired = [event.identifier for event in told if event.kind == "acquired"]
+    released = [event.identifier for event in told if event.kind == "released"]
+    assert len(acquired) >= 8  # cancellations landed in the body, in the release, and after
+    assert released == acquired  # those in the release too: it went on, and was told
 
 
 async def test_a_cancelled_rate_limited_call_raises_wherever_it_lands(users_client: redis.asyncio.Redis) -> None:

@@ -1,10 +1,11 @@
 """`to_the_end`: what a cancelled caller must still do is done before its cancellation goes on.
 
-Every release of an ``async with`` block, every waiter leaving the queue,
-and every slot a rate limit gives back goes through it. These tests drive
-it with a call that ends when the test says, and cancel the caller in each
-way a user's code can: ``Task.cancel``, ``asyncio.timeout``, an anyio
-cancel scope -- once, or again while the call is still under way.
+Every release of an ``async with`` block (the future of its step), every
+waiter leaving the queue, and every slot a rate limit gives back goes
+through it. These tests drive it with a call, or a future, that ends when
+the test says, and cancel the caller in each way a user's code can:
+``Task.cancel``, ``asyncio.timeout``, an anyio cancel scope -- once, or
+again while the call is still under way.
 """
 
 from __future__ import annotations
@@ -78,6 +79,30 @@ async def test_a_task_cancelled_during_the_call_is_cancelled_once_the_call_ends(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(caller, SETTLE)
     assert call.ended
+
+
+async def test_returns_what_a_future_is_settled_with() -> None:
+    future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(future.set_result, "released")
+
+    assert await to_the_end(future, name="a future") == "released"
+
+
+@pytest.mark.parametrize("cancellations", [1, 2], ids=["once", "twice"])
+async def test_a_future_is_waited_for_through_a_cancellation_and_left_alone(cancellations: int) -> None:
+    future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    caller = asyncio.create_task(to_the_end(future, name="a future"))
+    await asyncio.sleep(0)
+
+    for _ in range(cancellations):
+        caller.cancel()
+        await asyncio.sleep(0)
+    assert not caller.done()
+    assert not future.cancelled()
+    future.set_result("released")
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, SETTLE)
 
 
 async def test_asyncio_timeout_around_the_call_fires_once_the_call_ends() -> None:

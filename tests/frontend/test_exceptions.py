@@ -99,14 +99,15 @@ def test_a_redis_out_of_reach_is_redis_pys_connection_error_too() -> None:
 
 
 @pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore])
+@pytest.mark.parametrize("blocking", [False, True], ids=["try", "wait"])
 async def test_a_step_that_cannot_reach_redis_raises_redis_unavailable_naming_it(
-    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], refusing_port: int
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], refusing_port: int, blocking: bool
 ) -> None:
     client = redis.asyncio.Redis(host="127.0.0.1", port=refusing_port, password="s3cret")
     semaphore = cls(client, "db", 1)
     try:
         with pytest.raises(RedisUnavailable) as caught:
-            await semaphore.acquire(blocking=False)
+            await semaphore.acquire(blocking=blocking, blocking_timeout=10)
     finally:
         await semaphore.aclose()
         await client.aclose()
