@@ -28,6 +28,15 @@ Three measurements, on one private ``redis-server``:
   whatever it carries (the slope) and what the calls cost beside their
   steps (the intercept).
 
+* **wake-ups per cycle**: 64 coroutines at limit 16, each holding its
+  permit for one pass of the event loop (``await asyncio.sleep(0)``), as
+  ``bench_peers.py``'s loop does, for one second under CPython's profile
+  hook: how often the event loop resumed a coroutine's task, and how many
+  callbacks it ran, per cycle -- for `AsyncFairSemaphore` by
+  ``acquire``/``release`` and by ``async with``, and for
+  ``asyncio.Semaphore``, the in-process ceiling. The hook slows everything:
+  only the counts are reported.
+
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
 
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import statistics
 import sys
@@ -52,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from harness import (
     RAW_REMOVE,
+    Cycler,
     RawLoop,
     RedisServer,
     environment,
@@ -69,6 +80,7 @@ from aiosem._timing import Bound
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
+    from types import FrameType
 
 CALLS: Final = 3000
 RUNS: Final = 3
@@ -115,6 +127,32 @@ class Split:
     client_us_per_cycle_beside_steps: float
     server_us_per_step: float
     server_us_per_cycle_beside_steps: float
+
+
+class InProcess:
+    """``asyncio.Semaphore`` in the acquire/release shape."""
+
+    def __init__(self, limit: int) -> None:
+        self._semaphore = asyncio.Semaphore(limit)
+
+    async def acquire(self) -> bool:
+        await self._semaphore.acquire()
+        return True
+
+    async def release(self, _: bool) -> None:
+        self._semaphore.release()
+
+
+@dataclass(frozen=True, slots=True)
+class Wakeups:
+    """What the event loop did per cycle, 64 coroutines at limit 16 holding each permit for one loop pass."""
+
+    shape: str
+    cycles: int
+    #: How often a cycling coroutine's task was resumed.
+    task_wakeups: float
+    #: How many callbacks the loop ran: those wake-ups, and everything else (futures' callbacks, I/O, timers).
+    loop_callbacks: float
 
 
 def split(costs: Sequence[CycleCost]) -> Split:
@@ -237,6 +275,72 @@ async def cycle_cost(port: int, pid: int, scenario: tuple[str, int, int], second
     )
 
 
+async def hold_one_pass(cycler: Cycler[Any], stop_at: float) -> int:
+    cycles = 0
+    while time.perf_counter() < stop_at:
+        permit = await cycler.acquire()
+        await asyncio.sleep(0)
+        await cycler.release(permit)
+        cycles += 1
+    return cycles
+
+
+async def hold_one_pass_with(semaphore: AsyncFairSemaphore, stop_at: float) -> int:
+    cycles = 0
+    while time.perf_counter() < stop_at:
+        async with semaphore:
+            await asyncio.sleep(0)
+        cycles += 1
+    return cycles
+
+
+def counted(counts: collections.Counter[str]) -> Callable[[FrameType, str, object], None]:
+    """A profile hook counting the tasks' resumptions of the cycling coroutines, and the loop's callbacks."""
+    cycling = {hold_one_pass.__code__, hold_one_pass_with.__code__}
+    run = asyncio.Handle._run.__code__  # noqa: SLF001 -- every callback the loop runs goes through it
+
+    def hook(frame: FrameType, event: str, _: object) -> None:
+        if event != "call":
+            return
+        if frame.f_code is run:
+            counts["callbacks"] += 1
+        # A task resumes its coroutine from a callback: the coroutine's frame is then called from Handle._run.
+        elif frame.f_code in cycling and frame.f_back is not None and frame.f_back.f_code is run:
+            counts["wakeups"] += 1
+
+    return hook
+
+
+async def wakeups(port: int) -> list[Wakeups]:
+    """Count the event loop's work per cycle, for each shape of the limit-16 loop (see the module's docstring)."""
+    client = new_client(port)
+    results = []
+    try:
+        fair = AsyncFairSemaphore(client, "wakeups", 16)
+        local = InProcess(16)
+        shapes: list[tuple[str, Callable[[float], Awaitable[int]]]] = [
+            ("AsyncFairSemaphore, acquire/release", lambda stop: hold_one_pass(fair, stop)),
+            ("AsyncFairSemaphore, async with", lambda stop: hold_one_pass_with(fair, stop)),
+            ("asyncio.Semaphore (one process)", lambda stop: hold_one_pass(local, stop)),
+        ]
+        for shape, cycle in shapes:
+            await asyncio.gather(*(cycle(time.perf_counter() + 0.5) for _ in range(64)))
+            counts: collections.Counter[str] = collections.Counter()
+            sys.setprofile(counted(counts))
+            try:
+                done = await asyncio.gather(*(cycle(time.perf_counter() + 1.0) for _ in range(64)))
+            finally:
+                sys.setprofile(None)
+            total = sum(done)
+            results.append(
+                Wakeups(shape, total, round(counts["wakeups"] / total, 3), round(counts["callbacks"] / total, 3))
+            )
+        await fair.aclose()
+    finally:
+        await client.aclose()
+    return results
+
+
 async def profile(port: int, seconds: float) -> str:
     """pyinstrument's heaviest frames while 64 coroutines cycle at limit 16; '' without pyinstrument."""
     try:
@@ -260,7 +364,7 @@ async def profile(port: int, seconds: float) -> str:
 
 async def run_all(
     port: int, pid: int, seconds: float, profiled: bool
-) -> tuple[list[CallCost], list[CycleCost], list[CycleCost], str]:
+) -> tuple[list[CallCost], list[CycleCost], list[CycleCost], list[Wakeups], str]:
     print("  per round trip ...", file=sys.stderr, flush=True)
     calls = await call_costs(port)
     cycles = []
@@ -275,7 +379,9 @@ async def run_all(
         cost for cost in cycles if cost.scenario == "AsyncFairSemaphore, limit 16" and cost.coroutines == 64
     )
     swept = sorted([*swept, limit_16], key=lambda cost: cost.coroutines)
-    return calls, cycles, swept, await profile(port, seconds) if profiled else ""
+    print("  wake-ups per cycle ...", file=sys.stderr, flush=True)
+    woken = await wakeups(port)
+    return calls, cycles, swept, woken, await profile(port, seconds) if profiled else ""
 
 
 def split_tables(swept: Sequence[CycleCost], fitted: Split) -> str:
@@ -305,6 +411,18 @@ def split_tables(swept: Sequence[CycleCost], fitted: Split) -> str:
         ],
     )
     return f"{points}\n\n{fit}"
+
+
+def wakeups_table(woken: Sequence[Wakeups]) -> str:
+    return markdown_table(
+        (
+            "64 coroutines, limit 16, held a loop pass",
+            "cycles counted",
+            "task wake-ups/cycle",
+            "loop callbacks/cycle",
+        ),
+        [(w.shape, f"{w.cycles:,}", f"{w.task_wakeups:.2f}", f"{w.loop_callbacks:.2f}") for w in woken],
+    )
 
 
 def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
@@ -364,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RedisServer(binary, Path(directory)) as server,
     ):
         assert server.process is not None  # noqa: S101 -- started by the block
-        calls, cycles, swept, profiled = asyncio.run(
+        calls, cycles, swept, woken, profiled = asyncio.run(
             run_all(server.port, server.process.pid, args.seconds, args.profile)
         )
     fitted = split(swept)
@@ -372,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(tables(calls, cycles))
     print()
     print(split_tables(swept, fitted))
+    print()
+    print(wakeups_table(woken))
     if profiled:
         print(f"\npyinstrument, 64 coroutines at limit 16, heaviest frames (seconds of {args.seconds:g}):\n{profiled}")
     if args.json is not None:
@@ -381,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "calls": [asdict(cost) for cost in calls],
             "cycles": [asdict(cost) for cost in cycles],
             "split": {"points": [asdict(cost) for cost in swept], **asdict(fitted)},
+            "wakeups": [asdict(counts) for counts in woken],
             "profile": profiled.splitlines(),
         }
         write_report(args.json, report)
