@@ -220,10 +220,12 @@ class Core:
         return await self._lane(step).submit(submission)
 
     def send(self, step: Step, identifier: str) -> asyncio.Future[int]:
-        """Have ``step`` carried out for one identifier: the future of its value, which a cancellation leaves alone.
+        """Have ``step`` carried out for one identifier, and return the future of its value.
 
-        Awaited, it raises as `submit` does; cancelled before its step is
-        sent, the identifier is left out of it.
+        Awaited, it raises as `submit` does. Cancelled -- as its awaiter's
+        cancellation cancels it -- before its step is sent, it leaves the
+        identifier out of the step (`to_the_end` waits for it through any
+        cancellation instead).
         """
         call = _One(identifier)
         self._lane(step).enqueue(call)

@@ -422,7 +422,7 @@ class Holdings:
         except asyncio.CancelledError:
             # Cancelled while the release went on to its end: told all the same.
             if answer.done() and not answer.cancelled() and answer.exception() is None:
-                told_released(permit, None, answer.result())
+                tell_release(permit, None, answer.result())
             raise
         except Exception:
             if exc is None:
@@ -434,14 +434,14 @@ class Holdings:
                 extra=log_fields(permit.name, permit.identifier),
             )
             return None  # nothing more is known than before
-        told_released(permit, None, released)
+        tell_release(permit, None, released)
         if released == 1:
             return None
         emit_permit("lost", permit)
         return PermitLost(name=permit.name, identifier=permit.identifier)
 
 
-def told_released(permit: Permit, hold: Hold | None, released: int) -> None:
+def tell_release(permit: Permit, hold: Hold | None, released: int) -> None:
     """Tell what a release answered (1: the permit was held until then): released, or -- if it was kept -- lost."""
     if released == 1:
         emit_permit("released", permit)

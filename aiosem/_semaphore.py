@@ -30,7 +30,7 @@ from ._connection import (
 from ._coordination import detached
 from ._core import Core, Settings
 from ._exceptions import AcquireTimeout, LimitMismatch, LimitNotSet
-from ._holding import told_released
+from ._holding import tell_release
 from ._keys import SemaphoreKeys, check_prefix, decode_limit
 from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, DEFAULT_TIMEOUT, _Default
@@ -351,7 +351,7 @@ class _Semaphore:
         permit = self._check_permit(permit)
         hold, answer = self._send_release(permit)
         released = await answer
-        told_released(permit, hold, released)
+        tell_release(permit, hold, released)
         return released == 1
 
     def _send_release(self, permit: Permit) -> tuple[Hold | None, Awaitable[int]]:

@@ -414,7 +414,7 @@ async def test_a_cancelled_async_with_raises_and_leaves_nothing_wherever_it_land
     await assert_nothing_left(cls(direct, "sweep-with", 1), direct, tombstones=True)
 
 
-async def test_every_permit_an_async_with_took_is_told_released_wherever_its_cancellation_lands(
+async def test_every_permit_an_async_with_took_is_tell_release_wherever_its_cancellation_lands(
     cls: SemaphoreClass, users_client: redis.asyncio.Redis
 ) -> None:
     told: list[LimiterEvent] = []
