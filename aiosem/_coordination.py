@@ -75,9 +75,10 @@ class Submission(Generic[R]):
 
     A caller cancelled once its identifiers were sent knows that Redis may
     have acted on them (`sent`), and undoes that by identifier. The lane
-    hands the call its outcome through `settle`; a kind of call that waits
-    on something else than `answer` (a blocking acquire, on its waiter)
-    says so by overriding `settle` and `abandoned`.
+    hands the call its outcome through `settle`; a kind of call whose
+    caller awaits something else than the values and the whole result (a
+    blocking acquire, its waiter's token) sets its own `answer` and
+    overrides `settle`.
     """
 
     __slots__ = ("answer", "identifiers", "sent", "waiting_since")
@@ -89,9 +90,9 @@ class Submission(Generic[R]):
         self.sent = False
         #: When the call began to wait for its batch (loop time).
         self.waiting_since: float | None = None
-        #: What the caller awaits: the values of these identifiers and the
-        #: whole result; cancelled the moment the caller is.
-        self.answer: asyncio.Future[tuple[Sequence[int], R]] | None = None
+        #: What the caller awaits -- by default the values of these
+        #: identifiers and the whole result -- cancelled the moment the caller is.
+        self.answer: asyncio.Future[Any] | None = None
 
     @property
     def abandoned(self) -> bool:

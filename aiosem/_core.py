@@ -119,18 +119,15 @@ def _record(lease: float, label: str | None, pid: int) -> str:
 class _One(Submission[Reply]):
     """A call for one identifier whose caller awaits its value alone (see `Core.send`)."""
 
-    __slots__ = ("value",)
+    __slots__ = ()
 
-    def __init__(self, identifier: str) -> None:
+    def __init__(self, identifier: str, value: asyncio.Future[int]) -> None:
         super().__init__((identifier,))
-        self.value: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-    @property
-    def abandoned(self) -> bool:
-        return not self.sent and self.value.done()
+        self.answer = value
 
     def settle(self, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
-        resolve(self.value, outcome if isinstance(outcome, BaseException) else outcome[0][0])
+        assert self.answer is not None  # noqa: S101 -- set by the constructor
+        resolve(self.answer, outcome if isinstance(outcome, BaseException) else outcome[0][0])
 
 
 class Core:
@@ -227,9 +224,9 @@ class Core:
         identifier out of the step (`to_the_end` waits for it through any
         cancellation instead).
         """
-        call = _One(identifier)
-        self._lane(step).enqueue(call)
-        return call.value
+        value: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._lane(step).enqueue(_One(identifier, value))
+        return value
 
     def enqueue(self, step: Step, submission: Submission[Reply]) -> None:
         """Have ``step`` carried out for ``submission``, which hears the outcome itself (see `Submission.settle`)."""

@@ -163,13 +163,10 @@ class _Arrival(Submission[Reply]):
 
     def __init__(self, queue: WaitQueue, waiter: Waiter, deadline: float | None) -> None:
         super().__init__((waiter.identifier,))
+        self.answer = waiter.future
         self.queue = queue
         self.waiter = waiter
         self.deadline = deadline
-
-    @property
-    def abandoned(self) -> bool:
-        return not self.sent and self.waiter.future.done()
 
     def settle(self, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
         self.queue._arrived(self, outcome)  # noqa: SLF001 -- the queue's own submission
