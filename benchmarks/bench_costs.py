@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Final
 from harness import (
     RAW_REMOVE,
     Cycler,
+    InProcess,
     RawLoop,
     RedisServer,
     environment,
@@ -127,20 +128,6 @@ class Split:
     client_us_per_cycle_beside_steps: float
     server_us_per_step: float
     server_us_per_cycle_beside_steps: float
-
-
-class InProcess:
-    """``asyncio.Semaphore`` in the acquire/release shape."""
-
-    def __init__(self, limit: int) -> None:
-        self._semaphore = asyncio.Semaphore(limit)
-
-    async def acquire(self) -> bool:
-        await self._semaphore.acquire()
-        return True
-
-    async def release(self, _: bool) -> None:
-        self._semaphore.release()
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,7 @@ from harness import (
     MAX_CONNECTIONS,
     STEP_TIMEOUT,
     Cycler,
+    InProcess,
     Message,
     RawLoop,
     RedisServer,
@@ -361,25 +362,6 @@ class ThreadedRedisLock:
 
     async def release(self, permit: bool) -> None:
         await anyio.to_thread.run_sync(self._lock.release, limiter=self._limiter)
-
-
-class InProcess:
-    """``asyncio.Semaphore``, in the acquire/release shape: the ceiling of one process."""
-
-    __slots__ = ("_semaphore",)
-
-    def __init__(self, limit: int) -> None:
-        self._semaphore = asyncio.Semaphore(limit)
-
-    def __repr__(self) -> str:
-        return f"InProcess({self._semaphore!r})"
-
-    async def acquire(self) -> bool:
-        await self._semaphore.acquire()
-        return True
-
-    async def release(self, permit: bool) -> None:
-        self._semaphore.release()
 
 
 class BlpopFloor:

@@ -37,7 +37,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from harness import RedisServer, environment, markdown_table, new_client, redis_server_binary, write_report
+from harness import (
+    RedisServer,
+    environment,
+    markdown_table,
+    new_client,
+    percentile,
+    redis_server_binary,
+    write_report,
+)
 
 import aiosem._fair
 from aiosem import AsyncFairSemaphore
@@ -159,7 +167,7 @@ async def replay(port: int, checkouts: Sequence[tuple[str, Path]]) -> list[Timin
     for track in tracks:
         for step, durations in (("release", track.release_us), ("acquire", track.acquire_us)):
             ordered = sorted(durations)
-            p10, p50 = ordered[len(ordered) // 10], ordered[len(ordered) // 2]
+            p10, p50 = int(percentile(ordered, 0.1)), int(percentile(ordered, 0.5))
             timings.append(Timing(track.label, step, LIMIT, len(ordered), p10, p50))
     return timings
 

@@ -202,6 +202,25 @@ class RawLoop:
         return await self._client.evalsha(self._remove, 1, self._key, permit)
 
 
+class InProcess:
+    """``asyncio.Semaphore``, in the acquire/release shape: the ceiling of one process."""
+
+    __slots__ = ("_semaphore",)
+
+    def __init__(self, limit: int) -> None:
+        self._semaphore = asyncio.Semaphore(limit)
+
+    def __repr__(self) -> str:
+        return f"InProcess({self._semaphore!r})"
+
+    async def acquire(self) -> bool:
+        await self._semaphore.acquire()
+        return True
+
+    async def release(self, permit: bool) -> None:
+        self._semaphore.release()
+
+
 @dataclass(frozen=True, slots=True)
 class Phase:
     cycles: int
