@@ -27,7 +27,7 @@ import redis
 
 from ._connection import Client, address, give_back_parked, redirected, scored, text, transaction
 from ._coordination import Lane, Submission, detached, resolve, to_the_end
-from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, unavailable
+from ._exceptions import NotReplicated, SemaphoreError, in_place_of, out_of_memory, unavailable
 from ._holding import Holdings
 from ._keys import encode_record
 from ._observing import emit_permit
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ._holding import Hold
     from ._keys import SemaphoreKeys
     from ._semaphore import _Semaphore
+    from ._waiting import Waiter
 
 #: The longest pause between tries of a step that has to happen.
 _MUST_STEP_PAUSE: Final = 0.005
@@ -71,8 +72,14 @@ class Backend(Protocol):
         the ``call`` id, so that the same call tried again answers the same.
         """
 
-    async def arrive(self, identifier: str) -> None:
-        """Note a blocking acquire's arrival, before its first step."""
+    def arrive(self, waiter: Waiter, then: Callable[[], None]) -> None:
+        """Note a blocking acquire's arrival, then call ``then`` to send its first step.
+
+        ``then`` is called at once, or later in a task of the backend's --
+        unless the waiter's caller has stopped waiting by then. Arriving
+        may fail the waiter's future instead: with the error its call to
+        Redis raised, or `redis.TimeoutError` past a step's bound.
+        """
 
     async def withdraw(self, identifiers: Sequence[str]) -> None:
         """Take back what arriving wrote of acquires given up before a step queued them."""
@@ -241,10 +248,7 @@ class Core:
         says what was refused, and stays as it is.
         """
         if isinstance(error, redis.ConnectionError) and not isinstance(error, redis.AuthenticationError):
-            failure = unavailable(error, self.settings.name, address(self.client))
-            # As ``raise failure from None`` in an ``except`` of ``error``: shown alone, kept for a debugger.
-            failure.__cause__, failure.__context__, failure.__suppress_context__ = None, error, True
-            return failure
+            return in_place_of(unavailable(error, self.settings.name, address(self.client)), error)
         return error
 
     def _lane(self, step: Step) -> Lane[Reply]:

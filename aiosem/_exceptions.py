@@ -22,9 +22,11 @@ classes, now naming the semaphore and the Redis, once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions
+
+E = TypeVar("E", bound=BaseException)
 
 __all__ = [
     "AcquireTimeout",
@@ -194,6 +196,17 @@ class OutOfMemory(SemaphoreError, redis.exceptions.OutOfMemoryError):
     def __repr__(self) -> str:
         # redis-py's errors show only their class; this one shows its message too.
         return f"{type(self).__name__}({str(self)!r})"
+
+
+def in_place_of(error: E, context: BaseException) -> E:
+    """``error``, to raise in place of ``context``: as ``raise error from None`` in an ``except`` of ``context``.
+
+    For an error raised in another task than the one that caught
+    ``context``: its traceback is shown alone, and ``context`` kept for a
+    debugger.
+    """
+    error.__cause__, error.__context__, error.__suppress_context__ = None, context, True
+    return error
 
 
 def out_of_memory(error: redis.exceptions.OutOfMemoryError, name: str, what: str = "semaphore") -> OutOfMemory:

@@ -13,12 +13,13 @@ from ._semaphore import _Semaphore
 from ._timing import step_bound
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from typing_extensions import Unpack
 
     from ._core import Core
     from ._keys import SemaphoreKeys
+    from ._waiting import Waiter
 
 __all__ = ["AsyncFairSemaphore", "fair_step"]
 
@@ -161,8 +162,9 @@ class ScriptedSteps:
             replication_timeout=settings.waiter_ttl,
         )
 
-    async def arrive(self, identifier: str) -> None:
-        """Nothing to do: a script queues a waiter in the step that finds it must wait."""
+    def arrive(self, waiter: Waiter, then: Callable[[], None]) -> None:
+        """Nothing to note: a script queues a waiter in the step that finds it must wait."""
+        then()
 
     async def withdraw(self, identifiers: Sequence[str]) -> None:
         """Nothing to take back: arriving wrote nothing."""

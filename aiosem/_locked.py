@@ -16,8 +16,8 @@ import redis.exceptions
 
 from ._background import Background
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command, redirected
-from ._coordination import Lane, Submission
-from ._exceptions import out_of_memory
+from ._coordination import Lane, Submission, resolve
+from ._exceptions import in_place_of, out_of_memory
 from ._keys import decode_limit
 from ._observing import log_fields
 from ._options import DEFAULT_LOCK_TIMEOUT, LockedSemaphoreOptions, refuse_unknown
@@ -25,15 +25,16 @@ from ._plan import Decision, ReadState, past_cutoff, plan_step
 from ._protocol import Reply, Step
 from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
-from ._timing import Bound, step_bound
+from ._timing import overdue, step_bound
 from ._validation import check_timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from typing_extensions import Unpack
 
     from ._core import Core
+    from ._waiting import Waiter
 
 
 __all__ = ["AsyncLockedSemaphore"]
@@ -173,22 +174,43 @@ class WatchedSteps:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait(unlocking)
 
-    async def arrive(self, identifier: str) -> None:
+    def arrive(self, waiter: Waiter, then: Callable[[], None]) -> None:
         # A waiter's place is taken when it arrives, before it meets the lock:
         # however long the lock keeps it, nobody who came later gets ahead.
-        # The tickets of a process's concurrent arrivals are drawn together.
+        # The tickets of a process's concurrent arrivals are drawn together,
+        # in a lane of their own, whose task sends each waiter's first step
+        # as soon as its ticket is read: its caller is woken once, by its
+        # grant, not by its ticket too.
+        self._on_the_way.add(waiter.identifier.encode())
+        loop = asyncio.get_running_loop()
+        # Bounded from the call, as a step is: a timer, as a queued waiter's deadline is.
+        waiter.timer = loop.call_at(loop.time() + step_bound(self._core.settings.timeout), self._overdue, waiter)
+        self._ticket_lane.enqueue(_Draw(self, waiter, then))
+
+    def _overdue(self, waiter: Waiter) -> None:
         settings = self._core.settings
-        self._on_the_way.add(identifier.encode())
-        with Bound(step_bound(settings.timeout), f"drawing a ticket of semaphore {settings.name!r}"):
-            try:
-                (ticket,), _ = await self._ticket_lane.submit(Submission((identifier,)))
-            except redis.exceptions.OutOfMemoryError as error:
-                # As a step's refusal: redis-py's names the pipeline's command and key.
-                raise out_of_memory(error, settings.name) from None
-        self._tickets[identifier.encode()] = ticket
+        waiter.fail(overdue(f"drawing a ticket of semaphore {settings.name!r}", step_bound(settings.timeout)))
+
+    def _drawn(self, draw: _Draw, outcome: tuple[Sequence[int], _Tickets] | BaseException) -> None:
+        """What a waiter's ticket draw answered, read in the ticket lane's task."""
+        waiter = draw.waiter
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        if not waiter.pending:
+            return  # given up, past its bound, or failed by `close`: `withdraw` takes it out of :arriving
+        if isinstance(outcome, redis.exceptions.OutOfMemoryError):
+            # As a step's refusal: redis-py's names the pipeline's command and key.
+            outcome = in_place_of(out_of_memory(outcome, self._core.settings.name), outcome)
+        if isinstance(outcome, BaseException):
+            resolve(waiter.future, outcome)
+            return
+        (ticket,), _ = outcome
+        self._tickets[waiter.identifier.encode()] = ticket
+        draw.then()
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
-        # Bounded around the whole submit in `arrive`, waiting included. A try
+        # Bounded by each waiter's timer, from its arrival, waiting included. A try
         # whose reply was lost may have drawn tickets nobody holds: a gap in
         # the queue's order, never a tie.
         client, draw = self._core.client, self._ticket_draw(identifiers)
@@ -560,6 +582,23 @@ class WatchedSteps:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Tickets:
     values: tuple[int, ...]
+
+
+class _Draw(Submission[_Tickets]):
+    """A blocking acquire's ticket draw, answered straight into its waiter: its first step, or its failure."""
+
+    __slots__ = ("steps", "then", "waiter")
+
+    def __init__(self, steps: WatchedSteps, waiter: Waiter, then: Callable[[], None]) -> None:
+        super().__init__((waiter.identifier,))
+        # Left out of its batch once the caller stops waiting, before it is sent.
+        self.answer = waiter.future
+        self.steps = steps
+        self.waiter = waiter
+        self.then = then
+
+    def settle(self, outcome: tuple[Sequence[int], _Tickets] | BaseException) -> None:
+        self.steps._drawn(self, outcome)  # noqa: SLF001 -- the backend's own submission
 
 
 #: How far past what it needs a Lua-free step reads the queue, to see past

@@ -130,5 +130,13 @@ class Bound:
     ) -> None:
         self._scope.__exit__(exc_type, exc, traceback)
         if self._scope.cancelled_caught:
-            waited = f", {self._spent:.2f} s of it waiting for an earlier call" if self._spent > 0 else ""
-            raise redis.TimeoutError(f"{self._what} got no answer within {self._seconds:g} s{waited}; given up")
+            raise overdue(self._what, self._seconds, spent=self._spent)
+
+
+def overdue(what: str, seconds: float, *, spent: float = 0.0) -> redis.TimeoutError:
+    """The error of a call to Redis, ``what``, that got no answer within its bound of ``seconds``.
+
+    ``spent`` is how much of the bound went on waiting behind an earlier call.
+    """
+    waited = f", {spent:.2f} s of it waiting for an earlier call" if spent > 0 else ""
+    return redis.TimeoutError(f"{what} got no answer within {seconds:g} s{waited}; given up")

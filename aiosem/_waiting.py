@@ -101,7 +101,7 @@ class Waiter:
         self.state = WaiterState.ARRIVING
         self.proven = -math.inf
         self.lease: tuple[float, float] | None = None
-        #: Ends the wait at its deadline, once queued.
+        #: Ends the wait at its deadline, once queued; before, its arrival at its bound (see `Backend.arrive`).
         self.timer: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
@@ -265,11 +265,8 @@ class WaitQueue:
                 (value,), _ = await core.submit(Step.TRY, submission)
             else:
                 waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
-                await core.backend.arrive(identifier)
-                # Queued, if at all, after this: so was any grant handed over by message.
-                waiter.proven = loop.time()
-                submission = _Arrival(self, waiter, deadline)
-                core.enqueue(Step.WAIT, submission)
+                submission = arrival = _Arrival(self, waiter, deadline)
+                core.backend.arrive(waiter, lambda: self._noted(arrival))
                 value = await waiter.outcome()
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
@@ -292,6 +289,13 @@ class WaitQueue:
         if waiter is not None:
             confirmed = waiter.lease or (waiter.proven, core.settings.timeout)
         return identifier, value, confirmed
+
+    def _noted(self, arrival: _Arrival) -> None:
+        """A blocking acquire's arrival is noted (see `Backend.arrive`): its first step goes."""
+        if arrival.waiter.pending:
+            # Queued, if at all, after this: so was any grant handed over by message.
+            arrival.waiter.proven = asyncio.get_running_loop().time()
+            self._core.enqueue(Step.WAIT, arrival)
 
     def _arrived(self, arrival: _Arrival, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
         """What the first step of a blocking acquire answered, read in the lane's task."""

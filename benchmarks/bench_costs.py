@@ -33,7 +33,8 @@ Three measurements, on one private ``redis-server``:
   ``bench_peers.py``'s loop does, for one second under CPython's profile
   hook: how often the event loop resumed a coroutine's task, and how many
   callbacks it ran, per cycle -- for `AsyncFairSemaphore` by
-  ``acquire``/``release`` and by ``async with``, and for
+  ``acquire``/``release`` and by ``async with``, for
+  `AsyncLockedSemaphore` by ``acquire``/``release``, and for
   ``asyncio.Semaphore``, the in-process ceiling. The hook slows everything:
   only the counts are reported.
 
@@ -75,7 +76,7 @@ from harness import (
     write_report,
 )
 
-from aiosem import AsyncFairSemaphore
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import pinned_connection
 from aiosem._timing import Bound
 
@@ -304,10 +305,12 @@ async def wakeups(port: int) -> list[Wakeups]:
     results = []
     try:
         fair = AsyncFairSemaphore(client, "wakeups", 16)
+        locked = AsyncLockedSemaphore(client, "wakeups-locked", 16)
         local = InProcess(16)
         shapes: list[tuple[str, Callable[[float], Awaitable[int]]]] = [
             ("AsyncFairSemaphore, acquire/release", lambda stop: hold_one_pass(fair, stop)),
             ("AsyncFairSemaphore, async with", lambda stop: hold_one_pass_with(fair, stop)),
+            ("AsyncLockedSemaphore, acquire/release", lambda stop: hold_one_pass(locked, stop)),
             ("asyncio.Semaphore (one process)", lambda stop: hold_one_pass(local, stop)),
         ]
         for shape, cycle in shapes:
@@ -323,6 +326,7 @@ async def wakeups(port: int) -> list[Wakeups]:
                 Wakeups(shape, total, round(counts["wakeups"] / total, 3), round(counts["callbacks"] / total, 3))
             )
         await fair.aclose()
+        await locked.aclose()
     finally:
         await client.aclose()
     return results

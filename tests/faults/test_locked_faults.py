@@ -30,6 +30,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncLockedSemaphore, PermitLost
+from aiosem._timing import step_bound
 from tests.harness.faults import processes, proxied_client, proxied_url, report
 from tests.harness.support import until_queued
 
@@ -363,6 +364,52 @@ async def test_a_partitioned_holder_costs_no_one_their_permit_or_their_place_whe
     assert not lost_after_heal, f"lost their permits after the heal (s): {lost_after_heal}"
     assert queued_after == queued[1:]  # the first waiter took the partitioned holder's permit
     assert holders.granted == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+async def test_a_waiters_ticket_draw_that_gets_no_answer_raises_within_its_bound_and_spoils_nothing(
+    proxy: TcpProxy, redis_server: RedisServer, admin_client: redis.asyncio.Redis
+) -> None:
+    # No socket timeout: nothing but aiosem's own bound ends the draw.
+    client = proxied_client(proxy, redis_server, socket_timeout=None)
+    sem = AsyncLockedSemaphore(client, "undrawn", 1, timeout=LEASE)
+    keys = sem._core.keys
+    try:
+        warm = await sem.acquire(blocking=False)  # the connections are open
+        assert warm is not None
+        assert await sem.release(warm)
+        proxy.hold_replies()
+        started = anyio.current_time()
+        waiting = asyncio.ensure_future(sem.acquire(blocking_timeout=BOUND))
+        with anyio.fail_after(step_bound(LEASE) + BOUND):
+            await proxy.wait_until(lambda: proxy.held_replies > 0)  # the draw went out
+            while len(sem._core.queue):  # noqa: ASYNC110 -- until its bound ends the wait, and the give-up begins
+                await anyio.sleep(0.01)
+        took = anyio.current_time() - started
+        # The draw ends: the give-up, which waited for it, takes the waiter out of :arriving again.
+        proxy.release_replies()
+        with anyio.fail_after(BOUND), pytest.raises(redis.TimeoutError) as overdue:
+            await waiting
+        arriving = await admin_client.zcard(keys.arriving)
+        with anyio.fail_after(BOUND):
+            permit = await sem.acquire(blocking_timeout=BOUND)
+        assert permit is not None
+        assert await sem.release(permit)
+    finally:
+        proxy.release_replies()
+        await sem.aclose()
+        await client.aclose(close_connection_pool=True)
+    report(
+        "AsyncLockedSemaphore: a waiter's ticket draw whose replies are held",
+        caller_saw=f"{type(overdue.value).__name__} after {took:.2f} s: {overdue.value}",
+        recovered_in=None,
+        over_limit="none",
+    )
+    assert str(overdue.value) == (
+        f"drawing a ticket of semaphore 'undrawn' got no answer within {step_bound(LEASE):g} s; given up"
+    )
+    assert step_bound(LEASE) <= took <= step_bound(LEASE) + BOUND / 4
+    assert arriving == 0  # left there, it would stop every relay until a step found it stale
 
 
 # --- what waiting for a busy lock costs ----------------------------------------------------------
