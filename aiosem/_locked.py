@@ -16,7 +16,7 @@ import redis.exceptions
 
 from ._background import Background
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command, redirected
-from ._coordination import Lane, Submission, resolve
+from ._coordination import Lane, resolve
 from ._exceptions import in_place_of, out_of_memory
 from ._keys import decode_limit
 from ._observing import log_fields
@@ -27,6 +27,7 @@ from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
 from ._timing import overdue, step_bound
 from ._validation import check_timeout
+from ._waiting import WaiterStep
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -185,15 +186,16 @@ class WatchedSteps:
         loop = asyncio.get_running_loop()
         # Bounded from the call, as a step is: a timer, as a queued waiter's deadline is.
         waiter.timer = loop.call_at(loop.time() + step_bound(self._core.settings.timeout), self._overdue, waiter)
-        self._ticket_lane.enqueue(_Draw(self, waiter, then))
+        self._ticket_lane.enqueue(WaiterStep(waiter, lambda outcome: self._drawn(waiter, then, outcome)))
 
     def _overdue(self, waiter: Waiter) -> None:
         settings = self._core.settings
         waiter.fail(overdue(f"drawing a ticket of semaphore {settings.name!r}", step_bound(settings.timeout)))
 
-    def _drawn(self, draw: _Draw, outcome: tuple[Sequence[int], _Tickets] | BaseException) -> None:
+    def _drawn(
+        self, waiter: Waiter, then: Callable[[], None], outcome: tuple[Sequence[int], _Tickets] | BaseException
+    ) -> None:
         """What a waiter's ticket draw answered, read in the ticket lane's task."""
-        waiter = draw.waiter
         if waiter.timer is not None:
             waiter.timer.cancel()
             waiter.timer = None
@@ -207,7 +209,7 @@ class WatchedSteps:
             return
         (ticket,), _ = outcome
         self._tickets[waiter.identifier.encode()] = ticket
-        draw.then()
+        then()
 
     async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
         # Bounded by each waiter's timer, from its arrival, waiting included. A try
@@ -582,23 +584,6 @@ class WatchedSteps:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Tickets:
     values: tuple[int, ...]
-
-
-class _Draw(Submission[_Tickets]):
-    """A blocking acquire's ticket draw, answered straight into its waiter: its first step, or its failure."""
-
-    __slots__ = ("steps", "then", "waiter")
-
-    def __init__(self, steps: WatchedSteps, waiter: Waiter, then: Callable[[], None]) -> None:
-        super().__init__((waiter.identifier,))
-        # Left out of its batch once the caller stops waiting, before it is sent.
-        self.answer = waiter.future
-        self.steps = steps
-        self.waiter = waiter
-        self.then = then
-
-    def settle(self, outcome: tuple[Sequence[int], _Tickets] | BaseException) -> None:
-        self.steps._drawn(self, outcome)  # noqa: SLF001 -- the backend's own submission
 
 
 #: How far past what it needs a Lua-free step reads the queue, to see past

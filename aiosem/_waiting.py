@@ -19,7 +19,7 @@ import enum
 import logging
 import math
 import secrets
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 import redis
@@ -33,11 +33,13 @@ from ._protocol import QUEUED, Reply, Step
 from ._timing import Backoff
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ._core import Core
 
 logger = logging.getLogger("aiosem")
+
+R = TypeVar("R")
 
 #: How long after a lease runs out its semaphore is re-checked: enough for
 #: the server's clock to have passed it too.
@@ -149,27 +151,26 @@ class Waiter:
                 self.timer.cancel()
 
 
-class _Arrival(Submission[Reply]):
-    """A blocking acquire's first step, answered straight into its waiter's future.
+class WaiterStep(Submission[R]):
+    """A step of one blocking acquire's, answered straight into its waiter: the caller awaits the waiter's future.
 
-    The caller awaits one future from its call until its grant: the step's
-    reply, read in the lane's task, either grants the waiter (`observe`),
-    or queues it -- and the caller waits on, woken only by its grant -- or
-    answers it with a code, or fails it. One wake-up where a lane's answer
-    and then the grant took two.
+    Its outcome, read in the lane's task, goes to ``answered``, which
+    grants the waiter, fails it, or sends its next step -- and the caller
+    is woken once, by its grant, where a lane's answer and then the grant
+    took two. Once the caller stops waiting, a step not yet sent is left
+    out of its batch.
     """
 
-    __slots__ = ("deadline", "queue", "waiter")
+    __slots__ = ("_answered", "waiter")
 
-    def __init__(self, queue: WaitQueue, waiter: Waiter, deadline: float | None) -> None:
+    def __init__(self, waiter: Waiter, answered: Callable[[tuple[Sequence[int], R] | BaseException], None]) -> None:
         super().__init__((waiter.identifier,))
         self.answer = waiter.future
-        self.queue = queue
         self.waiter = waiter
-        self.deadline = deadline
+        self._answered = answered
 
-    def settle(self, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
-        self.queue._arrived(self, outcome)  # noqa: SLF001 -- the queue's own submission
+    def settle(self, outcome: tuple[Sequence[int], R] | BaseException) -> None:
+        self._answered(outcome)
 
 
 class WaitQueue:
@@ -265,8 +266,10 @@ class WaitQueue:
                 (value,), _ = await core.submit(Step.TRY, submission)
             else:
                 waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
-                submission = arrival = _Arrival(self, waiter, deadline)
-                core.backend.arrive(waiter, lambda: self._noted(arrival))
+                # Its first step: a grant, or a code, settles it; one that queues it leaves it waiting.
+                first: WaiterStep[Reply] = WaiterStep(waiter, lambda outcome: self._arrived(first, deadline, outcome))
+                submission = first
+                core.backend.arrive(waiter, lambda: self._noted(first))
                 value = await waiter.outcome()
         except (redis.ConnectionError, redis.ResponseError):
             # The server is out of reach or refused the script: a grant that
@@ -290,16 +293,18 @@ class WaitQueue:
             confirmed = waiter.lease or (waiter.proven, core.settings.timeout)
         return identifier, value, confirmed
 
-    def _noted(self, arrival: _Arrival) -> None:
+    def _noted(self, first: WaiterStep[Reply]) -> None:
         """A blocking acquire's arrival is noted (see `Backend.arrive`): its first step goes."""
-        if arrival.waiter.pending:
+        if first.waiter.pending:
             # Queued, if at all, after this: so was any grant handed over by message.
-            arrival.waiter.proven = asyncio.get_running_loop().time()
-            self._core.enqueue(Step.WAIT, arrival)
+            first.waiter.proven = asyncio.get_running_loop().time()
+            self._core.enqueue(Step.WAIT, first)
 
-    def _arrived(self, arrival: _Arrival, outcome: tuple[Sequence[int], Reply] | BaseException) -> None:
+    def _arrived(
+        self, first: WaiterStep[Reply], deadline: float | None, outcome: tuple[Sequence[int], Reply] | BaseException
+    ) -> None:
         """What the first step of a blocking acquire answered, read in the lane's task."""
-        waiter = arrival.waiter
+        waiter = first.waiter
         if not waiter.pending:
             return  # granted by the reply (`observe`) or a message, or given up on, or failed by `close`
         if isinstance(outcome, BaseException):
@@ -314,8 +319,8 @@ class WaitQueue:
         self._queued[waiter.identifier] = waiter
         self._listen()  # the pump's next heartbeat proves this waiter alive too
         self.recheck_when(reply)
-        if arrival.deadline is not None:
-            waiter.give_up_at(arrival.deadline)
+        if deadline is not None:
+            waiter.give_up_at(deadline)
 
     def _leave(self, identifier: str, waiter: Waiter | None) -> None:
         """Forget an acquire that has ended, whichever way; a claim of its permit goes on."""
