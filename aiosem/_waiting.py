@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import math
 import secrets
@@ -266,8 +267,9 @@ class WaitQueue:
                 (value,), _ = await core.submit(Step.TRY, submission)
             else:
                 waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
-                # Its first step: a grant, or a code, settles it; one that queues it leaves it waiting.
-                first: WaiterStep[Reply] = WaiterStep(waiter, lambda outcome: self._arrived(first, deadline, outcome))
+                # Its first step: a grant, or a code, settles it; one that queues it leaves it waiting. (A
+                # partial, not a closure over the step: that would be a cycle, left to the garbage collector.)
+                first: WaiterStep[Reply] = WaiterStep(waiter, functools.partial(self._arrived, waiter, deadline))
                 submission = first
                 core.backend.arrive(waiter, lambda: self._noted(first))
                 value = await waiter.outcome()
@@ -301,10 +303,9 @@ class WaitQueue:
             self._core.enqueue(Step.WAIT, first)
 
     def _arrived(
-        self, first: WaiterStep[Reply], deadline: float | None, outcome: tuple[Sequence[int], Reply] | BaseException
+        self, waiter: Waiter, deadline: float | None, outcome: tuple[Sequence[int], Reply] | BaseException
     ) -> None:
         """What the first step of a blocking acquire answered, read in the lane's task."""
-        waiter = first.waiter
         if not waiter.pending:
             return  # granted by the reply (`observe`) or a message, or given up on, or failed by `close`
         if isinstance(outcome, BaseException):
