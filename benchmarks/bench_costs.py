@@ -1,6 +1,6 @@
 """Where a cycle's time goes: CPU per round trip and per cycle, in the client and in Redis.
 
-Three measurements, on one private ``redis-server``:
+Measured on one private ``redis-server``:
 
 * **per round trip** (1 coroutine, the best of 3 runs of 3,000 calls): the
   wall time and the client process's CPU time of one ``EVALSHA`` of a
@@ -38,6 +38,16 @@ Three measurements, on one private ``redis-server``:
   ``asyncio.Semaphore``, the in-process ceiling. The hook slows everything:
   only the counts are reported.
 
+* **the in-process budget**: the same held loop (64 coroutines, limit 16,
+  one loop pass held) for ``asyncio.Semaphore``, for `AsyncFairSemaphore`,
+  and for `BareBatched`, the thinnest batched semaphore kept in Redis --
+  every call of a turn of the loop in one script of a count and a list,
+  with none of a semaphore's guarantees -- with one script in flight and
+  with two. For each: cycles/s, client and server CPU per cycle, calls per
+  script, and the rate the two CPUs would allow if they never overlapped
+  (``1 / (client + server)``). Against the in-process loop's time per
+  cycle, it gives the time a cycle may take at 0.15 and 0.25 of it.
+
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
 
@@ -52,6 +62,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -61,7 +73,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+import hiredis
 from harness import (
+    HOST,
     RAW_REMOVE,
     Cycler,
     InProcess,
@@ -81,8 +95,10 @@ from aiosem._connection import pinned_connection
 from aiosem._timing import Bound
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
     from types import FrameType
+
+    import redis.asyncio
 
 CALLS: Final = 3000
 RUNS: Final = 3
@@ -95,6 +111,35 @@ CYCLES: Final = (
 )
 #: The limits of the split, each with four coroutines per permit; limit 16 is measured above.
 SPLIT_LIMITS: Final = (8, 32, 64)
+#: The fractions of the in-process loop's rate whose time per cycle the budget gives (the issue's minimum and aim).
+BUDGET_FRACTIONS: Final = (0.15, 0.25)
+#: The budget's yardstick.
+IN_PROCESS_LOOP: Final = "asyncio.Semaphore (one process)"
+#: How many turns each loop of the budget takes.
+BUDGET_ROUNDS: Final = 3
+#: `BareBatched`'s script: every acquire (``a``) takes a unit of the count or
+#: joins the list; every release (``r``) hands its unit to the list's head or
+#: gives it back. It returns the identifiers granted.
+BARE_SCRIPT: Final = """
+local count = tonumber(redis.call('GET', KEYS[1]) or '0')
+local limit = tonumber(ARGV[1])
+local granted = {}
+for i = 2, #ARGV, 2 do
+  if ARGV[i] == 'a' then
+    if count < limit then
+      count = count + 1
+      granted[#granted + 1] = ARGV[i + 1]
+    else
+      redis.call('RPUSH', KEYS[2], ARGV[i + 1])
+    end
+  else
+    local head = redis.call('LPOP', KEYS[2])
+    if head then granted[#granted + 1] = head else count = count - 1 end
+  end
+end
+redis.call('SET', KEYS[1], count)
+return granted
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +177,21 @@ class Split:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetCost:
+    """One loop of the in-process budget: 64 coroutines at limit 16, each holding its permit one loop pass."""
+
+    loop: str
+    cycles_per_second: float
+    client_cpu_us: float
+    server_cpu_us: float
+    #: Calls (acquires and releases) per script; ``None`` where nothing goes to Redis.
+    calls_per_script: float | None
+    #: ``1 / (client + server CPU per cycle)``: the rate if the two processes never ran at once.
+    lockstep_cycles_per_second: float
+    ratio_to_in_process: float
+
+
+@dataclass(frozen=True, slots=True)
 class Wakeups:
     """What the event loop did per cycle, 64 coroutines at limit 16 holding each permit for one loop pass."""
 
@@ -141,6 +201,135 @@ class Wakeups:
     task_wakeups: float
     #: How many callbacks the loop ran: those wake-ups, and everything else (futures' callbacks, I/O, timers).
     loop_callbacks: float
+
+
+class BareBatched:
+    """The thinnest batched semaphore kept in Redis: a bound on what batching alone gives, not a semaphore to use.
+
+    The calls made in one turn of the event loop go out together, as one
+    `BARE_SCRIPT` on one connection, written and read with hiredis and no
+    redis-py in between; up to ``depth`` scripts are in flight, answered in
+    order. It has none of what a semaphore owes its users: no lease, so a
+    crashed holder keeps its unit for ever; no fencing token, no proof that a
+    waiter is alive, no timeout, no cancellation, no failure handling.
+    """
+
+    __slots__ = (
+        "_depth",
+        "_granted",
+        "_identifiers",
+        "_in_flight",
+        "_keys",
+        "_limit",
+        "_loop",
+        "_pending",
+        "_reader",
+        "_scheduled",
+        "_script",
+        "_stream",
+        "_task",
+        "_writer",
+    )
+
+    def __init__(
+        self,
+        stream: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        script: str,
+        name: str,
+        *,
+        limit: int,
+        depth: int,
+    ) -> None:
+        self._stream = stream
+        self._writer = writer
+        self._script = script
+        self._keys = (f"{name}:count", f"{name}:queue")
+        self._limit = limit
+        self._depth = depth
+        self._loop = asyncio.get_running_loop()
+        self._reader = hiredis.Reader()
+        self._pending: list[str] = []
+        self._granted: dict[bytes, asyncio.Future[None]] = {}
+        self._in_flight = 0
+        self._scheduled = False
+        self._identifiers = itertools.count()
+        self._task = self._loop.create_task(self._read())
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def opened(cls, port: int, name: str, limit: int, depth: int) -> AsyncIterator[BareBatched]:
+        """A new one on its own connection to the server at ``port``, with its keys under ``name`` emptied."""
+        stream, writer = await asyncio.open_connection(HOST, port)
+        reader = hiredis.Reader()
+
+        async def command(*arguments: str) -> Any:
+            # hiredis's stub types the argument as a tuple of one element.
+            writer.write(hiredis.pack_command(arguments))  # type: ignore[arg-type]
+            while (reply := reader.gets()) is False:
+                reader.feed(await stream.read(65536))
+            return reply
+
+        script = (await command("SCRIPT", "LOAD", BARE_SCRIPT)).decode()
+        await command("DEL", f"{name}:count", f"{name}:queue")
+        bare = cls(stream, writer, script, name, limit=limit, depth=depth)
+        try:
+            yield bare
+        finally:
+            bare._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await bare._task
+            writer.close()
+            await writer.wait_closed()
+
+    async def acquire(self) -> str:
+        identifier = str(next(self._identifiers))
+        granted = self._granted[identifier.encode()] = self._loop.create_future()
+        self._pending += ("a", identifier)
+        self._schedule()
+        await granted
+        return identifier
+
+    async def release(self, permit: str) -> None:
+        self._pending += ("r", permit)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        # At the end of this turn of the loop, so that its other calls go too.
+        if not self._scheduled and self._in_flight < self._depth:
+            self._scheduled = True
+            self._loop.call_soon(self._send)
+
+    def _send(self) -> None:
+        self._scheduled = False
+        if self._pending and self._in_flight < self._depth:
+            calls, self._pending = self._pending, []
+            count, queue = self._keys
+            command = ("EVALSHA", self._script, 2, count, queue, self._limit, *calls)
+            self._writer.write(hiredis.pack_command(command))  # type: ignore[arg-type]
+            self._in_flight += 1
+
+    async def _read(self) -> None:
+        try:
+            while data := await self._stream.read(65536):
+                self._reader.feed(data)
+                self._answer()
+            raise ConnectionError("the server closed the bare semaphore's connection")  # noqa: TRY301 -- one exit for both
+        except BaseException as error:
+            # Its waiters would wait for ever: they fail with the connection.
+            for waiting in self._granted.values():
+                if not waiting.done():
+                    waiting.set_exception(RuntimeError(f"the bare semaphore failed: {error!r}"))
+            raise
+
+    def _answer(self) -> None:
+        while (granted := self._reader.gets()) is not False:
+            if isinstance(granted, Exception):
+                raise granted
+            self._in_flight -= 1
+            for identifier in granted:
+                self._granted.pop(identifier).set_result(None)
+        self._schedule()
 
 
 def split(costs: Sequence[CycleCost]) -> Split:
@@ -282,6 +471,78 @@ async def hold_one_pass_with(semaphore: AsyncFairSemaphore, stop_at: float) -> i
     return cycles
 
 
+@dataclass(slots=True)
+class Tally:
+    """What one loop of the budget spent, summed over its rounds."""
+
+    cycles: int = 0
+    wall: float = 0.0
+    client: float = 0.0
+    server: float = 0.0
+    scripts: int = 0
+
+    def cost(self, loop: str, in_process: float | None) -> BudgetCost:
+        """The loop's costs; ``in_process`` is the in-process loop's cycles/s (``None``: this is it)."""
+        rate = self.cycles / self.wall
+        return BudgetCost(
+            loop=loop,
+            cycles_per_second=round(rate, 1),
+            client_cpu_us=round(self.client / self.cycles * 1e6, 2),
+            server_cpu_us=round(self.server / self.cycles * 1e6, 2),
+            # Every cycle makes two calls, an acquire and a release.
+            calls_per_script=round(2 * self.cycles / self.scripts, 1) if self.scripts else None,
+            lockstep_cycles_per_second=round(self.cycles / (self.client + self.server), 1),
+            ratio_to_in_process=round(rate / (in_process or rate), 4),
+        )
+
+
+async def scripts_run(client: redis.asyncio.Redis) -> int:
+    return int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
+    """The in-process budget (see the module's docstring).
+
+    The loops take turns, ``BUDGET_ROUNDS`` rounds of a share of ``seconds``
+    each, so that the machine's changes of pace fall on all of them alike.
+    """
+    client = new_client(port)
+    try:
+        async with (
+            BareBatched.opened(port, "bench:{bare-1}", 16, depth=1) as bare_1,
+            BareBatched.opened(port, "bench:{bare-2}", 16, depth=2) as bare_2,
+        ):
+            fair = AsyncFairSemaphore(client, "budget", 16)
+            try:
+                loops: dict[str, Cycler[Any]] = {
+                    IN_PROCESS_LOOP: InProcess(16),
+                    "BareBatched, 1 script in flight": bare_1,
+                    "BareBatched, 2 scripts in flight": bare_2,
+                    "AsyncFairSemaphore": fair,
+                }
+                tallies = {loop: Tally() for loop in loops}
+                for cycler in loops.values():
+                    await asyncio.gather(*(hold_one_pass(cycler, time.perf_counter() + 0.5) for _ in range(64)))
+                for _ in range(BUDGET_ROUNDS):
+                    for loop, cycler in loops.items():
+                        tally = tallies[loop]
+                        scripts = await scripts_run(client)
+                        server, cpu, wall = process_cpu(pid), time.process_time(), time.perf_counter()
+                        stop_at = wall + seconds / BUDGET_ROUNDS
+                        tally.cycles += sum(await asyncio.gather(*(hold_one_pass(cycler, stop_at) for _ in range(64))))
+                        tally.wall += time.perf_counter() - wall
+                        tally.client += time.process_time() - cpu
+                        tally.server += process_cpu(pid) - server
+                        tally.scripts += await scripts_run(client) - scripts
+            finally:
+                await fair.aclose()
+    finally:
+        await client.aclose()
+    ceiling = tallies[IN_PROCESS_LOOP]
+    in_process = ceiling.cycles / ceiling.wall
+    return [tally.cost(loop, None if loop == IN_PROCESS_LOOP else in_process) for loop, tally in tallies.items()]
+
+
 def counted(counts: collections.Counter[str]) -> Callable[[FrameType, str, object], None]:
     """A profile hook counting the tasks' resumptions of the cycling coroutines, and the loop's callbacks."""
     cycling = {hold_one_pass.__code__, hold_one_pass_with.__code__}
@@ -355,7 +616,7 @@ async def profile(port: int, seconds: float) -> str:
 
 async def run_all(
     port: int, pid: int, seconds: float, profiled: bool
-) -> tuple[list[CallCost], list[CycleCost], list[CycleCost], list[Wakeups], str]:
+) -> tuple[list[CallCost], list[CycleCost], list[CycleCost], list[Wakeups], list[BudgetCost], str]:
     print("  per round trip ...", file=sys.stderr, flush=True)
     calls = await call_costs(port)
     cycles = []
@@ -372,7 +633,9 @@ async def run_all(
     swept = sorted([*swept, limit_16], key=lambda cost: cost.coroutines)
     print("  wake-ups per cycle ...", file=sys.stderr, flush=True)
     woken = await wakeups(port)
-    return calls, cycles, swept, woken, await profile(port, seconds) if profiled else ""
+    print("  the in-process budget ...", file=sys.stderr, flush=True)
+    budgeted = await budget(port, pid, seconds)
+    return calls, cycles, swept, woken, budgeted, await profile(port, seconds) if profiled else ""
 
 
 def split_tables(swept: Sequence[CycleCost], fitted: Split) -> str:
@@ -414,6 +677,38 @@ def wakeups_table(woken: Sequence[Wakeups]) -> str:
         ),
         [(w.shape, f"{w.cycles:,}", f"{w.task_wakeups:.2f}", f"{w.loop_callbacks:.2f}") for w in woken],
     )
+
+
+def budget_table(costs: Sequence[BudgetCost]) -> str:
+    per_loop = markdown_table(
+        (
+            "64 coroutines, limit 16, held a loop pass",
+            "cycles/s",
+            "client CPU us/cycle",
+            "server CPU us/cycle",
+            "calls/script",
+            "1 / (client + server), cycles/s",
+            "ratio to in-process",
+        ),
+        [
+            (
+                cost.loop,
+                f"{cost.cycles_per_second:,.0f}",
+                f"{cost.client_cpu_us:.1f}",
+                f"{cost.server_cpu_us:.1f}",
+                "n/a" if cost.calls_per_script is None else f"{cost.calls_per_script:.1f}",
+                f"{cost.lockstep_cycles_per_second:,.0f}",
+                f"{cost.ratio_to_in_process:.3f}",
+            )
+            for cost in costs
+        ],
+    )
+    in_process = costs[0].cycles_per_second
+    allowed = markdown_table(
+        ("at this fraction of the in-process loop", "a cycle may take, us"),
+        [(f"{fraction:g}", f"{1e6 / (fraction * in_process):.1f}") for fraction in BUDGET_FRACTIONS],
+    )
+    return f"{per_loop}\n\n{allowed}"
 
 
 def tables(calls: Sequence[CallCost], cycles: Sequence[CycleCost]) -> str:
@@ -473,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RedisServer(binary, Path(directory)) as server,
     ):
         assert server.process is not None  # noqa: S101 -- started by the block
-        calls, cycles, swept, woken, profiled = asyncio.run(
+        calls, cycles, swept, woken, budgeted, profiled = asyncio.run(
             run_all(server.port, server.process.pid, args.seconds, args.profile)
         )
     fitted = split(swept)
@@ -483,6 +778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(split_tables(swept, fitted))
     print()
     print(wakeups_table(woken))
+    print()
+    print(budget_table(budgeted))
     if profiled:
         print(f"\npyinstrument, 64 coroutines at limit 16, heaviest frames (seconds of {args.seconds:g}):\n{profiled}")
     if args.json is not None:
@@ -493,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cycles": [asdict(cost) for cost in cycles],
             "split": {"points": [asdict(cost) for cost in swept], **asdict(fitted)},
             "wakeups": [asdict(counts) for counts in woken],
+            "budget": [asdict(cost) for cost in budgeted],
             "profile": profiled.splitlines(),
         }
         write_report(args.json, report)
