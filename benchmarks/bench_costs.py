@@ -481,9 +481,14 @@ class Tally:
     server: float = 0.0
     scripts: int = 0
 
+    @property
+    def rate(self) -> float:
+        """Cycles per second over all its rounds."""
+        return self.cycles / self.wall
+
     def cost(self, loop: str, in_process: float | None) -> BudgetCost:
         """The loop's costs; ``in_process`` is the in-process loop's cycles/s (``None``: this is it)."""
-        rate = self.cycles / self.wall
+        rate = self.rate
         return BudgetCost(
             loop=loop,
             cycles_per_second=round(rate, 1),
@@ -538,8 +543,7 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
                 await fair.aclose()
     finally:
         await client.aclose()
-    ceiling = tallies[IN_PROCESS_LOOP]
-    in_process = ceiling.cycles / ceiling.wall
+    in_process = tallies[IN_PROCESS_LOOP].rate
     return [tally.cost(loop, None if loop == IN_PROCESS_LOOP else in_process) for loop, tally in tallies.items()]
 
 
