@@ -159,8 +159,10 @@ class Lane(Generic[R]):
         self._pending: list[Submission[R]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def submit(self, submission: Submission[R]) -> tuple[Sequence[int], R]:
+    async def submit(self, submission: Submission[R], loop: asyncio.AbstractEventLoop) -> tuple[Sequence[int], R]:
         """Run a step for the submission's identifiers; return their values and the whole result.
+
+        ``loop`` is the running one, as for `enqueue`.
 
         Cancellation:
             Raised at once. If ``submission.sent`` is set by then, the step
@@ -168,14 +170,16 @@ class Lane(Generic[R]):
         """
         # Awaited directly, not through `asyncio.shield`: the flusher settles
         # it, and a caller's cancellation cancels only it, one loop turn sooner.
-        answer: asyncio.Future[tuple[Sequence[int], R]] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[tuple[Sequence[int], R]] = loop.create_future()
         submission.answer = answer
-        self.enqueue(submission)
+        self.enqueue(submission, loop)
         return await answer
 
-    def enqueue(self, submission: Submission[R]) -> None:
-        """Have the submission's identifiers go with the next batch; its `Submission.settle` hears the outcome."""
-        loop = asyncio.get_running_loop()
+    def enqueue(self, submission: Submission[R], loop: asyncio.AbstractEventLoop) -> None:
+        """Have the submission's identifiers go with the next batch; its `Submission.settle` hears the outcome.
+
+        ``loop`` is the running one, which the caller has at hand (see `Core.bind`).
+        """
         submission.waiting_since = loop.time()
         self._pending.append(submission)
         if self._flusher is None:

@@ -187,7 +187,7 @@ class WatchedSteps:
         loop = asyncio.get_running_loop()
         # Bounded from the call, as a step is: a timer, as a queued waiter's deadline is.
         waiter.timer = loop.call_at(loop.time() + step_bound(self._core.settings.timeout), self._overdue, waiter)
-        self._ticket_lane.enqueue(WaiterStep(waiter, functools.partial(self._drawn, waiter, then)))
+        self._ticket_lane.enqueue(WaiterStep(waiter, functools.partial(self._drawn, waiter, then)), loop)
 
     def _overdue(self, waiter: Waiter) -> None:
         settings = self._core.settings

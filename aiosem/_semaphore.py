@@ -295,11 +295,11 @@ class _Semaphore:
         wait = self._blocking_timeout if blocking_timeout is DEFAULT else check_wait(blocking_timeout)
         if not blocking:
             wait = 0.0
-        self._core.bind()
+        loop = self._core.bind()
         started = time.monotonic()
         # In the background: a call's order and its timeout owe nothing to a one-time check.
         watch_eviction_policy(self._client, self._keys.base)
-        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(wait, weight)
+        identifier, value, (confirmed_at, lease) = await self._core.queue.wait(loop, wait, weight)
         # Neither granted nor queued below: nothing to give up.
         if value in (LIMIT_MISMATCH, TOO_HEAVY):
             stored, _ = decode_limit(await detached(self._client.get(self._keys.limit), name="aiosem limit"))
@@ -364,14 +364,14 @@ class _Semaphore:
         """
         core = self._core
         # Before anything is dropped: another loop's call must leave this loop's hold alone.
-        core.bind()
+        loop = core.bind()
         core.queue.forget_claim(permit.identifier)
         hold = core.holdings.get(permit.identifier)
         if hold is not None:
             core.holdings.drop(hold)
         if core.relay is not None and core.relay.holds(permit.identifier):
             return hold, core.relay.relay(permit.identifier)
-        return hold, core.send(Step.RELEASE, permit.identifier)
+        return hold, core.send(Step.RELEASE, permit.identifier, loop)
 
     async def refresh(self, permit: Permit) -> bool:
         """Restart a held permit's lease, so it lasts another ``timeout``.

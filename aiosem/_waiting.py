@@ -245,7 +245,9 @@ class WaitQueue:
 
     # --- a waiter's life ------------------------------------------------------
 
-    async def wait(self, wait: float | None, weight: int = 1) -> tuple[str, int, tuple[float, float]]:
+    async def wait(
+        self, loop: asyncio.AbstractEventLoop, wait: float | None, weight: int = 1
+    ) -> tuple[str, int, tuple[float, float]]:
         """Take a permit of ``weight``, queueing for it for up to ``wait`` seconds (0: try once; ``None``: for ever).
 
         Returns the identifier, what the step answered (a token, or a code),
@@ -255,7 +257,6 @@ class WaitQueue:
         call, whatever came before.
         """
         core = self._core
-        loop = asyncio.get_running_loop()
         deadline = None if wait is None else loop.time() + wait
         identifier = weighted(f"{core.process}.{secrets.token_hex(8)}", weight)
         submission: Submission[Reply] | None = None
@@ -299,8 +300,9 @@ class WaitQueue:
         """A blocking acquire's arrival is noted (see `Backend.arrive`): its first step goes."""
         if first.waiter.pending:
             # Queued, if at all, after this: so was any grant handed over by message.
-            first.waiter.proven = asyncio.get_running_loop().time()
-            self._core.enqueue(Step.WAIT, first)
+            loop = first.waiter.future.get_loop()
+            first.waiter.proven = loop.time()
+            self._core.enqueue(Step.WAIT, first, loop)
 
     def _arrived(
         self, waiter: Waiter, deadline: float | None, outcome: tuple[Sequence[int], Reply] | BaseException
@@ -319,7 +321,7 @@ class WaitQueue:
             waiter.state = WaiterState.QUEUED
         self._queued[waiter.identifier] = waiter
         self._listen()  # the pump's next heartbeat proves this waiter alive too
-        self.recheck_when(reply)
+        self.recheck_when(reply, waiter.future.get_loop())
         if deadline is not None:
             waiter.give_up_at(deadline)
 
@@ -420,7 +422,7 @@ class WaitQueue:
             # queued there still, in their places.)
             core.relay.start(resolved[0], sent, reply.relayed)
         if self._queued:
-            self.recheck_when(reply)
+            self.recheck_when(reply, asyncio.get_running_loop())
 
     def on_message(self, message: str) -> None:
         """A permit was handed to some of this object's waiters by another process."""
@@ -454,10 +456,10 @@ class WaitQueue:
         self._claims[waiter.identifier] = waiter
         self._start_pump()
 
-    def recheck_when(self, reply: Reply) -> None:
-        """Have the pump re-check when the earliest lease a reply reports runs out."""
+    def recheck_when(self, reply: Reply, loop: asyncio.AbstractEventLoop) -> None:
+        """Have the pump re-check when the earliest lease a reply reports runs out (``loop``: the running one)."""
         if reply.next_expiry is not None:
-            self._schedule_recheck(asyncio.get_running_loop().time() + reply.next_expiry + RECHECK_DELAY)
+            self._schedule_recheck(loop.time() + reply.next_expiry + RECHECK_DELAY)
 
     def recheck_now(self) -> None:
         """Have the pump re-check at once, if anybody is queued: who holds may have changed unheard."""

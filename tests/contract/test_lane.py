@@ -53,7 +53,7 @@ class Recorder:
 
 async def submit(lane: Lane[Result], *identifiers: str) -> Sequence[int]:
     submission: Submission[Result] = Submission(identifiers)
-    values, _ = await lane.submit(submission)
+    values, _ = await lane.submit(submission, asyncio.get_running_loop())
     return values
 
 
@@ -115,7 +115,7 @@ async def test_a_call_cancelled_before_its_batch_starts_is_left_out_and_not_sent
     recorder = Recorder()
     lane = Lane(recorder.run)
     cancelled: Submission[Result] = Submission(("8",))
-    doomed = asyncio.create_task(lane.submit(cancelled))
+    doomed = asyncio.create_task(lane.submit(cancelled, asyncio.get_running_loop()))
     kept = asyncio.create_task(submit(lane, "9"))
     await asyncio.sleep(0)  # both are waiting for the batch that starts next turn
     doomed.cancel()
@@ -131,7 +131,7 @@ async def test_a_caller_cancelled_while_its_batch_runs_raises_at_once_and_the_ba
     recorder.gate = asyncio.Event()
     lane = Lane(recorder.run)
     submission: Submission[Result] = Submission(("4",))
-    caller = asyncio.create_task(lane.submit(submission))
+    caller = asyncio.create_task(lane.submit(submission, asyncio.get_running_loop()))
     await asyncio.wait_for(recorder.started.wait(), SETTLE)
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
