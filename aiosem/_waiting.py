@@ -139,7 +139,7 @@ class Waiter:
         contention, and a scope costs several times what a timer does. A grant
         that comes first is taken, however late in the wait.
         """
-        self.timer = asyncio.get_running_loop().call_at(deadline, self.fail, _TimeUp())
+        self.timer = self.future.get_loop().call_at(deadline, self.fail, _TimeUp())
 
     async def outcome(self) -> int:
         """What the caller gets: a token, a code its first step answered, or 0 if its wait ran out first."""
