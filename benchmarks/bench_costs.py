@@ -40,13 +40,16 @@ Measured on one private ``redis-server``:
 
 * **the in-process budget**: the same held loop (64 coroutines, limit 16,
   one loop pass held) for ``asyncio.Semaphore``, for `AsyncFairSemaphore`,
-  and for `BareBatched`, the thinnest batched semaphore kept in Redis --
-  every call of a turn of the loop in one script of a count and a list,
-  with none of a semaphore's guarantees -- with one script in flight and
-  with two. For each: cycles/s, client and server CPU per cycle, calls per
-  script, and the rate the two CPUs would allow if they never overlapped
-  (``1 / (client + server)``). Against the in-process loop's time per
-  cycle, it gives the time a cycle may take at 0.15 and 0.25 of it.
+  and for `ThinBatched`, the thinnest client of a batched semaphore kept in
+  Redis -- every call of a turn of the loop in one script -- with two
+  scripts: `BARE_SCRIPT`, a count and a list with none of a semaphore's
+  guarantees (with one script in flight and with two), and
+  `GUARDED_SCRIPT`, the lease on the server's clock, fencing tokens, the
+  queue in arrival order and the waiters' liveness. For each: cycles/s,
+  client and server CPU per cycle, calls per script, and the rate the two
+  CPUs would allow if they never overlapped (``1 / (client + server)``).
+  Against the in-process loop's time per cycle, it gives the time a cycle
+  may take at 0.15 and 0.25 of it.
 
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
@@ -92,7 +95,10 @@ from harness import (
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import pinned_connection
+from aiosem._options import DEFAULT_TIMEOUT
+from aiosem._rules import SKIPLIST_AT, SKIPLIST_MOVER
 from aiosem._timing import Bound
+from aiosem._validation import WAITER_TIMEOUT
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -117,10 +123,33 @@ BUDGET_FRACTIONS: Final = (0.15, 0.25)
 IN_PROCESS_LOOP: Final = "asyncio.Semaphore (one process)"
 #: How many turns each loop of the budget takes.
 BUDGET_ROUNDS: Final = 3
-#: `BareBatched`'s script: every acquire (``a``) takes a unit of the count or
-#: joins the list; every release (``r``) hands its unit to the list's head or
-#: gives it back. It returns the identifiers granted.
-BARE_SCRIPT: Final = """
+#: How long `GUARDED_SCRIPT`'s permits last, and how long its waiters are
+#: presumed alive after they joined the queue (seconds): aiosem's defaults.
+GUARDED_LEASE: Final = DEFAULT_TIMEOUT
+GUARDED_WAITER_TTL: Final = WAITER_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedScript:
+    """A script `ThinBatched` sends: its Lua, the suffixes of its keys, and the arguments it takes before the calls.
+
+    Every call is two arguments, ``a`` or ``r`` and an identifier; the
+    script returns the permits it granted as identifier, fencing token pairs.
+    """
+
+    label: str
+    lua: str
+    keys: tuple[str, ...]
+    #: Its arguments before the calls; ``{limit}`` is the semaphore's.
+    arguments: tuple[str, ...]
+
+
+#: The least a batched semaphore's script can do: every acquire (``a``) takes
+#: a unit of the count or joins the list; every release (``r``) hands its unit
+#: to the list's head or gives it back. Its tokens are 0: it has none.
+BARE_SCRIPT: Final = BatchedScript(
+    "bare script",
+    """
 local count = tonumber(redis.call('GET', KEYS[1]) or '0')
 local limit = tonumber(ARGV[1])
 local granted = {}
@@ -129,17 +158,154 @@ for i = 2, #ARGV, 2 do
     if count < limit then
       count = count + 1
       granted[#granted + 1] = ARGV[i + 1]
+      granted[#granted + 1] = 0
     else
       redis.call('RPUSH', KEYS[2], ARGV[i + 1])
     end
   else
     local head = redis.call('LPOP', KEYS[2])
-    if head then granted[#granted + 1] = head else count = count - 1 end
+    if head then
+      granted[#granted + 1] = head
+      granted[#granted + 1] = 0
+    else
+      count = count - 1
+    end
   end
 end
 redis.call('SET', KEYS[1], count)
 return granted
-"""
+""",
+    ("count", "queue"),
+    ("{limit}",),
+)
+
+#: The least a batched semaphore's script can do and keep the guarantees the
+#: issue names: a lease on the server's clock (a permit past it is reaped,
+#: so a crashed holder's comes back), a fencing token for every grant, a
+#: queue served in arrival order (newcomers behind it), and waiters presumed
+#: dead once their time is up. One command of each kind a step, and sorted
+#: sets in the skiplist encoding, as aiosem's scripts write. It leaves out the rest of what aiosem keeps: tombstones for
+#: acquires given up before they arrive, receipts that make a release safe
+#: to send again, weights, a limit that can change, the holders' records,
+#: the keys' TTLs, the repair of what eviction took, the relay of a mutex.
+GUARDED_SCRIPT: Final = BatchedScript(
+    "guarded script",
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local limit, lease, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local skiplist_at, mover = tonumber(ARGV[4]), ARGV[5]
+local TIMEOUTS, OWNERS, COUNTER, QUEUE, WAITERS, TICKETS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+-- Add score-member pairs to a sorted set of `size` members; one that grows
+-- to skiplist_at goes to the skiplist encoding first, as aiosem's do.
+local function add(key, size, pairs)
+  local grows = size < skiplist_at and size + #pairs / 2 >= skiplist_at
+  if grows then
+    redis.call('ZADD', key, 0, mover)
+  end
+  redis.call('ZADD', key, unpack(pairs))
+  if grows then
+    redis.call('ZREM', key, mover)
+  end
+end
+-- The lease, on the server's clock: permits past it go.
+local expired = redis.call('ZRANGEBYSCORE', TIMEOUTS, '-inf', string.format('%.6f', now - lease))
+if #expired > 0 then
+  redis.call('ZREM', TIMEOUTS, unpack(expired))
+  redis.call('ZREM', OWNERS, unpack(expired))
+end
+-- Waiters presumed dead leave the queue.
+local dead = redis.call('ZRANGEBYSCORE', WAITERS, '-inf', string.format('%.6f', now))
+if #dead > 0 then
+  redis.call('ZREM', QUEUE, unpack(dead))
+  redis.call('ZREM', WAITERS, unpack(dead))
+end
+local held = redis.call('ZCARD', OWNERS)
+local queued = redis.call('ZCARD', QUEUE)
+local acquires, releases = {}, {}
+for i = 6, #ARGV, 2 do
+  if ARGV[i] == 'a' then
+    acquires[#acquires + 1] = ARGV[i + 1]
+  else
+    releases[#releases + 1] = ARGV[i + 1]
+  end
+end
+-- Only a permit still held is released.
+if #releases > 0 then
+  local tokens = redis.call('ZMSCORE', OWNERS, unpack(releases))
+  local gone = {}
+  for i, identifier in ipairs(releases) do
+    if tokens[i] then
+      gone[#gone + 1] = identifier
+    end
+  end
+  if #gone > 0 then
+    redis.call('ZREM', OWNERS, unpack(gone))
+    redis.call('ZREM', TIMEOUTS, unpack(gone))
+    held = held - #gone
+  end
+end
+-- What is free goes to the queue's head first, then to newcomers if nobody is queued.
+local granted = {}
+local free = limit - held
+if free > 0 and queued > 0 then
+  local heads = redis.call('ZRANGE', QUEUE, 0, free - 1)
+  if #heads > 0 then
+    redis.call('ZREM', QUEUE, unpack(heads))
+    redis.call('ZREM', WAITERS, unpack(heads))
+  end
+  for _, identifier in ipairs(heads) do
+    granted[#granted + 1] = identifier
+  end
+  queued = queued - #heads
+  free = free - #heads
+end
+local joining = {}
+for _, identifier in ipairs(acquires) do
+  if free > 0 and queued == 0 then
+    granted[#granted + 1] = identifier
+    free = free - 1
+  else
+    joining[#joining + 1] = identifier
+  end
+end
+if #joining > 0 then
+  local first = tonumber(redis.call('GET', TICKETS) or '0')
+  redis.call('SET', TICKETS, first + #joining)
+  local tickets, deadlines = {}, {}
+  local deadline = string.format('%.6f', now + waiter_ttl)
+  for i, identifier in ipairs(joining) do
+    tickets[#tickets + 1] = first + i
+    tickets[#tickets + 1] = identifier
+    deadlines[#deadlines + 1] = deadline
+    deadlines[#deadlines + 1] = identifier
+  end
+  add(QUEUE, queued, tickets)
+  add(WAITERS, queued, deadlines)
+end
+-- Each grant's fencing token, and its lease from now.
+local reply = {}
+if #granted > 0 then
+  local first = tonumber(redis.call('GET', COUNTER) or '0') + 1
+  redis.call('SET', COUNTER, first + #granted - 1)
+  local tokens, stamps = {}, {}
+  local stamp = string.format('%.6f', now)
+  for i, identifier in ipairs(granted) do
+    tokens[#tokens + 1] = first + i - 1
+    tokens[#tokens + 1] = identifier
+    stamps[#stamps + 1] = stamp
+    stamps[#stamps + 1] = identifier
+    reply[#reply + 1] = identifier
+    reply[#reply + 1] = first + i - 1
+  end
+  add(OWNERS, held, tokens)
+  add(TIMEOUTS, held, stamps)
+end
+return reply
+""",
+    ("timeouts", "owners", "counter", "queue", "waiters", "tickets"),
+    ("{limit}", f"{GUARDED_LEASE:g}", f"{GUARDED_WAITER_TTL:g}", str(SKIPLIST_AT), SKIPLIST_MOVER),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,29 +369,32 @@ class Wakeups:
     loop_callbacks: float
 
 
-class BareBatched:
-    """The thinnest batched semaphore kept in Redis: a bound on what batching alone gives, not a semaphore to use.
+class ThinBatched:
+    """The thinnest client of a batched semaphore kept in Redis: a bound on what batching gives, not one to use.
 
     The calls made in one turn of the event loop go out together, as one
-    `BARE_SCRIPT` on one connection, written and read with hiredis and no
-    redis-py in between; up to ``depth`` scripts are in flight, answered in
-    order. It has none of what a semaphore owes its users: no lease, so a
-    crashed holder keeps its unit for ever; no fencing token, no proof that a
-    waiter is alive, no timeout, no cancellation, no failure handling.
+    call of its `BatchedScript` on one connection, written and read with
+    hiredis and no redis-py in between; up to ``depth`` scripts are in
+    flight, answered in order. The client has none of what aiosem's owes
+    its users: no timeout, no cancellation, no failure handling, no
+    heartbeat for its waiters (the loops it runs in are shorter than their
+    time). Its script decides what Redis keeps: nothing a semaphore owes
+    (`BARE_SCRIPT`), or the lease, the fencing tokens, the queue and the
+    waiters' liveness (`GUARDED_SCRIPT`).
     """
 
     __slots__ = (
+        "_arguments",
         "_depth",
         "_granted",
         "_identifiers",
         "_in_flight",
         "_keys",
-        "_limit",
         "_loop",
         "_pending",
         "_reader",
         "_scheduled",
-        "_script",
+        "_sha",
         "_stream",
         "_task",
         "_writer",
@@ -235,7 +404,8 @@ class BareBatched:
         self,
         stream: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        script: str,
+        script: BatchedScript,
+        sha: str,
         name: str,
         *,
         limit: int,
@@ -243,14 +413,14 @@ class BareBatched:
     ) -> None:
         self._stream = stream
         self._writer = writer
-        self._script = script
-        self._keys = (f"{name}:count", f"{name}:queue")
-        self._limit = limit
+        self._sha = sha
+        self._keys = tuple(f"{name}:{suffix}" for suffix in script.keys)
+        self._arguments = tuple(argument.format(limit=limit) for argument in script.arguments)
         self._depth = depth
         self._loop = asyncio.get_running_loop()
         self._reader = hiredis.Reader()
         self._pending: list[str] = []
-        self._granted: dict[bytes, asyncio.Future[None]] = {}
+        self._granted: dict[bytes, asyncio.Future[int]] = {}
         self._in_flight = 0
         self._scheduled = False
         self._identifiers = itertools.count()
@@ -258,7 +428,9 @@ class BareBatched:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def opened(cls, port: int, name: str, limit: int, depth: int) -> AsyncIterator[BareBatched]:
+    async def opened(
+        cls, port: int, script: BatchedScript, name: str, limit: int, depth: int
+    ) -> AsyncIterator[ThinBatched]:
         """A new one on its own connection to the server at ``port``, with its keys under ``name`` emptied."""
         stream, writer = await asyncio.open_connection(HOST, port)
         reader = hiredis.Reader()
@@ -270,15 +442,15 @@ class BareBatched:
                 reader.feed(await stream.read(65536))
             return reply
 
-        script = (await command("SCRIPT", "LOAD", BARE_SCRIPT)).decode()
-        await command("DEL", f"{name}:count", f"{name}:queue")
-        bare = cls(stream, writer, script, name, limit=limit, depth=depth)
+        sha = (await command("SCRIPT", "LOAD", script.lua)).decode()
+        await command("DEL", *(f"{name}:{suffix}" for suffix in script.keys))
+        thin = cls(stream, writer, script, sha, name, limit=limit, depth=depth)
         try:
-            yield bare
+            yield thin
         finally:
-            bare._task.cancel()
+            thin._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await bare._task
+                await thin._task
             writer.close()
             await writer.wait_closed()
 
@@ -304,8 +476,7 @@ class BareBatched:
         self._scheduled = False
         if self._pending and self._in_flight < self._depth:
             calls, self._pending = self._pending, []
-            count, queue = self._keys
-            command = ("EVALSHA", self._script, 2, count, queue, self._limit, *calls)
+            command = ("EVALSHA", self._sha, len(self._keys), *self._keys, *self._arguments, *calls)
             self._writer.write(hiredis.pack_command(command))  # type: ignore[arg-type]
             self._in_flight += 1
 
@@ -314,12 +485,12 @@ class BareBatched:
             while data := await self._stream.read(65536):
                 self._reader.feed(data)
                 self._answer()
-            raise ConnectionError("the server closed the bare semaphore's connection")  # noqa: TRY301 -- one exit for both
+            raise ConnectionError("the server closed the thin semaphore's connection")  # noqa: TRY301 -- one exit for both
         except BaseException as error:
             # Its waiters would wait for ever: they fail with the connection.
             for waiting in self._granted.values():
                 if not waiting.done():
-                    waiting.set_exception(RuntimeError(f"the bare semaphore failed: {error!r}"))
+                    waiting.set_exception(RuntimeError(f"the thin semaphore failed: {error!r}"))
             raise
 
     def _answer(self) -> None:
@@ -327,8 +498,8 @@ class BareBatched:
             if isinstance(granted, Exception):
                 raise granted
             self._in_flight -= 1
-            for identifier in granted:
-                self._granted.pop(identifier).set_result(None)
+            for index in range(0, len(granted), 2):
+                self._granted.pop(granted[index]).set_result(granted[index + 1])
         self._schedule()
 
 
@@ -514,15 +685,17 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
     client = new_client(port)
     try:
         async with (
-            BareBatched.opened(port, "bench:{bare-1}", 16, depth=1) as bare_1,
-            BareBatched.opened(port, "bench:{bare-2}", 16, depth=2) as bare_2,
+            ThinBatched.opened(port, BARE_SCRIPT, "bench:{bare-1}", 16, depth=1) as bare_1,
+            ThinBatched.opened(port, BARE_SCRIPT, "bench:{bare-2}", 16, depth=2) as bare_2,
+            ThinBatched.opened(port, GUARDED_SCRIPT, "bench:{guarded}", 16, depth=1) as guarded,
         ):
             fair = AsyncFairSemaphore(client, "budget", 16)
             try:
                 loops: dict[str, Cycler[Any]] = {
                     IN_PROCESS_LOOP: InProcess(16),
-                    "BareBatched, 1 script in flight": bare_1,
-                    "BareBatched, 2 scripts in flight": bare_2,
+                    f"ThinBatched, {BARE_SCRIPT.label}, 1 in flight": bare_1,
+                    f"ThinBatched, {BARE_SCRIPT.label}, 2 in flight": bare_2,
+                    f"ThinBatched, {GUARDED_SCRIPT.label}": guarded,
                     "AsyncFairSemaphore": fair,
                 }
                 tallies = {loop: Tally() for loop in loops}
