@@ -1,0 +1,66 @@
+"""What a cycle costs in lookups of the running event loop.
+
+On CPython 3.10 and 3.11, `asyncio.get_running_loop` checks the loop's
+process id with a ``getpid`` system call each time. A call of the object's
+looks the loop up once, when it binds the object, and hands it on; the
+steps, which carry many calls each, look it up a few times more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+#: Coroutines, limit and cycles each: the contended loop of the throughput benchmark, shortened.
+COROUTINES = 64
+LIMIT = 16
+CYCLES_EACH = 10
+#: Lookups per cycle at most: one for each of the cycle's two calls, and what its share of a step takes.
+MOST_PER_CYCLE = 4
+
+
+class LookupCounter:
+    """Counts the calls of `asyncio.get_running_loop` made from aiosem's own code."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = asyncio.get_running_loop
+
+    def __call__(self) -> asyncio.AbstractEventLoop:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("aiosem"):
+            self.calls += 1
+        return self._original()
+
+
+@pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+async def test_a_contended_cycle_looks_up_the_running_loop_a_few_times(
+    real_client: redis.asyncio.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore],
+) -> None:
+    sem = cls(real_client, f"lookups-{cls.__name__}", LIMIT)
+
+    async def cycle_repeatedly() -> None:
+        for _ in range(CYCLES_EACH):
+            permit = await sem.acquire()
+            assert permit is not None
+            await asyncio.sleep(0)
+            assert await sem.release(permit)
+
+    # Warm: the scripts loaded, the lanes made.
+    await asyncio.wait_for(asyncio.gather(*(cycle_repeatedly() for _ in range(COROUTINES))), 60)
+    counter = LookupCounter()
+    monkeypatch.setattr(asyncio, "get_running_loop", counter)
+    await asyncio.wait_for(asyncio.gather(*(cycle_repeatedly() for _ in range(COROUTINES))), 60)
+    monkeypatch.undo()
+    assert counter.calls > 0  # the count sees aiosem's lookups
+    assert counter.calls <= MOST_PER_CYCLE * COROUTINES * CYCLES_EACH
+    await sem.aclose()
