@@ -98,13 +98,16 @@ return aiosem_run(function(identifiers, state)
   local results, receipt = {}, {}
   local step = state.mode == MODE_PASS and 3 or 1
   for i = 1, #identifiers, step do
-    results[i] = release(identifiers[i], state)
-    if results[i] == 0 and earlier and string.sub(earlier, i, i) == '1' then
+    local released = release(identifiers[i], state)
+    results[i] = released
+    if released == 0 and earlier and string.sub(earlier, i, i) == '1' then
       results[i] = 1
     end
     receipt[i] = results[i]
     if step == 3 then
-      results[i + 1] = pass(identifiers[i + 1], identifiers[i + 2], results[i], state)
+      -- Only a permit this try released is one to pass on: what an earlier
+      -- try released went to the queue then.
+      results[i + 1] = pass(identifiers[i + 1], identifiers[i + 2], released, state)
       results[i + 2] = 0
       receipt[i + 1], receipt[i + 2] = 0, 0
     end

@@ -464,6 +464,20 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     steps=[Op(Step.WAIT, (3,), "", 0.0)],
 )
 @example(seed=dataclasses.replace(RELAYED, arriving={1: -0.5}), steps=RELAY_STEPS)
+# A pass sent again, whose first try released its holder, with no limit known: only a permit this try
+# released is passed on -- the first try's went to the queue then (Hypothesis found the script passing it).
+@example(
+    seed=dataclasses.replace(
+        RELAYED,
+        limit=None,
+        lease=2.5,
+        waiter_ttl=1.0,
+        holders={},
+        waiters=[(0, 0.0, True, False)],
+        receipts={"c2": "1"},
+    ),
+    steps=[Op(Step.PASS, (0, 0, 1), "c2", 0.0)],
+)
 def test_the_locked_plan_and_the_fair_scripts_agree(
     redis_server: RedisServer, loop: asyncio.AbstractEventLoop, seed: Seed, steps: list[Op]
 ) -> None:

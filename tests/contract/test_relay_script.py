@@ -320,3 +320,44 @@ async def pass_to_a_successor_granted_by_a_raise(server: RedisServer) -> None:
     finally:
         await client.delete(*keys.fair)
         await client.aclose()
+
+
+def test_a_pass_sent_again_passes_on_only_a_permit_it_released_itself(
+    redis_server: RedisServer, loop: asyncio.AbstractEventLoop
+) -> None:
+    loop.run_until_complete(pass_sent_again_without_a_limit(redis_server))
+
+
+async def pass_sent_again_without_a_limit(server: RedisServer) -> None:
+    client = server.client()
+    keys = SemaphoreKeys.for_name("relay", secrets.token_hex(6))
+    holder, successor, other = f"{CALLER}.a", f"{CALLER}.b", f"{OTHER}.x"
+    try:
+        # The pass's first try released `holder`; `successor` not at the queue's head then, the permit
+        # went to the head, `other`; the reply was lost. The limit's key is gone since (evicted), and
+        # the caller brings none. Sent again, the pass finds `holder` released by its first try, and
+        # `successor` at the head: it must not install it beside `other`.
+        await client.zadd(keys.timeout_set, {other: f"{START:.6f}"})
+        await client.zadd(keys.owner_set, {other: 5})
+        await client.zadd(keys.queue, {successor: 1})
+        await client.zadd(keys.waiters, {successor: f"{START + WAITER_TTL:.6f}"})
+        await client.set(keys.receipt("c2"), "1")
+        passed = await fair_step(
+            client,
+            Step.PASS,
+            keys,
+            [holder, successor, "7"],
+            now=START,
+            lease=LEASE,
+            limit=None,
+            waiter_ttl=WAITER_TTL,
+            caller=CALLER,
+            call="c2",
+            relays=True,
+        )
+        assert passed.values == (1, 0, 0)  # released, as the first try said; nobody installed
+        assert (passed.holders, passed.waiting) == (1, 1)
+        assert await client.zrange(keys.owner_set, 0, -1) == [other.encode()]
+    finally:
+        await client.delete(*keys.fair, keys.receipt("c2"))
+        await client.aclose()
