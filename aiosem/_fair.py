@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ._connection import Client, publish_command
 from ._options import SemaphoreOptions, refuse_unknown
 from ._protocol import Operation, Reply, Step, parse_reply
-from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE
+from ._scripts import FAIR_ACQUIRE, FAIR_REFRESH, FAIR_RELEASE, Script
 from ._semaphore import _Semaphore
 from ._timing import step_bound
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._keys import SemaphoreKeys
     from ._waiting import Waiter
 
-__all__ = ["AsyncFairSemaphore", "fair_step"]
+__all__ = ["AsyncFairSemaphore", "fair_call", "fair_step"]
 
 _SCRIPTS = {Operation.ACQUIRE: FAIR_ACQUIRE, Operation.RELEASE: FAIR_RELEASE, Operation.REFRESH: FAIR_REFRESH}
 
@@ -29,6 +29,40 @@ _SCRIPTS = {Operation.ACQUIRE: FAIR_ACQUIRE, Operation.RELEASE: FAIR_RELEASE, Op
 def format_now(now: float | None) -> str:
     """The ``now`` argument of every script: '' lets the script read the server's clock."""
     return "" if now is None else repr(now)
+
+
+def fair_call(
+    step: Step,
+    keys: SemaphoreKeys,
+    identifiers: Sequence[str],
+    *,
+    now: float | None,
+    lease: float,
+    limit: int | None,
+    waiter_ttl: float,
+    caller: str,
+    call: str,
+    relays: bool,
+    record: str,
+    publish: str,
+) -> tuple[Script, tuple[str, ...], list[str]]:
+    """The script a fair step runs, its keys and its arguments (see `fair_step`; ``publish``: `publish_command`)."""
+    args = [
+        format_now(now),
+        repr(lease),
+        "" if limit is None else str(limit),
+        repr(waiter_ttl),
+        caller,
+        keys.channels,
+        publish,
+        step.mode,
+        call,
+        repr(step_bound(lease)),
+        "1" if relays else "",
+        record,
+        *identifiers,
+    ]
+    return _SCRIPTS[step.operation], (*keys.fair, keys.receipt(call)), args
 
 
 async def fair_step(
@@ -60,23 +94,20 @@ async def fair_step(
     ``WAIT`` of at most ``replication_timeout`` on its connection, and the
     reply says how many replicas acknowledged it.
     """
-    args = [
-        format_now(now),
-        repr(lease),
-        "" if limit is None else str(limit),
-        repr(waiter_ttl),
-        caller,
-        keys.channels,
-        publish_command(client),
-        step.mode,
-        call,
-        repr(step_bound(lease)),
-        "1" if relays else "",
-        record,
-        *identifiers,
-    ]
-    script = _SCRIPTS[step.operation]
-    script_keys = (*keys.fair, keys.receipt(call))
+    script, script_keys, args = fair_call(
+        step,
+        keys,
+        identifiers,
+        now=now,
+        lease=lease,
+        limit=limit,
+        waiter_ttl=waiter_ttl,
+        caller=caller,
+        call=call,
+        relays=relays,
+        record=record,
+        publish=publish_command(client),
+    )
     if not replicas:
         return parse_reply(await script.run(client, script_keys, args), len(identifiers))
     raw, acknowledged = await script.run_replicated(
