@@ -41,15 +41,16 @@ Measured on one private ``redis-server``:
 * **the in-process budget**: the same held loop (64 coroutines, limit 16,
   one loop pass held) for ``asyncio.Semaphore``, for `AsyncFairSemaphore`,
   and for `ThinBatched`, the thinnest client of a batched semaphore kept in
-  Redis -- every call of a turn of the loop in one script -- with two
-  scripts: `BARE_SCRIPT`, a count and a list with none of a semaphore's
-  guarantees (with one script in flight and with two), and
-  `GUARDED_SCRIPT`, the lease on the server's clock, fencing tokens, the
-  queue in arrival order and the waiters' liveness. For each: cycles/s,
-  client and server CPU per cycle, calls per script, and the rate the two
-  CPUs would allow if they never overlapped (``1 / (client + server)``).
-  Against the in-process loop's time per cycle, it gives the time a cycle
-  may take at 0.15 and 0.25 of it.
+  Redis -- every call of a turn of the loop in one write -- with three
+  designs: `BARE_SCRIPT`, a count and a list with none of a semaphore's
+  guarantees (with one script in flight and with two); `GUARDED_SCRIPT`,
+  the lease on the server's clock, fencing tokens, the queue in arrival
+  order and the waiters' liveness; and `FairScripts`, `AsyncFairSemaphore`'s
+  own scripts, called as its steps call them. For each: cycles/s, client
+  and server CPU per cycle, calls per script, and the rate the two CPUs
+  would allow if they never overlapped (``1 / (client + server)``). Against
+  the in-process loop's time per cycle, it gives the time a cycle may take
+  at 0.15 and 0.25 of it.
 
 With ``--profile``, the contended limit-16 scenario runs once more under
 pyinstrument, and its heaviest frames are printed.
@@ -66,15 +67,17 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import hashlib
 import itertools
 import os
+import secrets
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import hiredis
 from harness import (
@@ -95,16 +98,24 @@ from harness import (
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 from aiosem._connection import pinned_connection
-from aiosem._options import DEFAULT_TIMEOUT
+from aiosem._fair import fair_call
+from aiosem._keys import SemaphoreKeys, encode_record
+from aiosem._options import DEFAULT_PREFIX, DEFAULT_TIMEOUT
+from aiosem._protocol import Step, parse_reply
 from aiosem._rules import SKIPLIST_AT, SKIPLIST_MOVER
+from aiosem._scripts import FAIR_ACQUIRE, FAIR_RELEASE
 from aiosem._timing import Bound
 from aiosem._validation import WAITER_TIMEOUT
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
     from types import FrameType
+    from typing import TypeAlias
 
     import redis.asyncio
+
+    #: One command a turn of `ThinBatched` writes, and what reads the grants from its reply.
+    Sent: TypeAlias = tuple[tuple[str | int, ...], Callable[[Any], Iterable[tuple[str, int]]]]
 
 CALLS: Final = 3000
 RUNS: Final = 3
@@ -123,6 +134,8 @@ BUDGET_FRACTIONS: Final = (0.15, 0.25)
 IN_PROCESS_LOOP: Final = "asyncio.Semaphore (one process)"
 #: How many turns each loop of the budget takes.
 BUDGET_ROUNDS: Final = 3
+#: The keys of the semaphore `FairScripts` keeps in the budget.
+THIN_FAIR_KEYS: Final = SemaphoreKeys.for_name(DEFAULT_PREFIX, "budget-thin")
 #: How long `GUARDED_SCRIPT`'s permits last, and how long its waiters are
 #: presumed alive after they joined the queue (seconds): aiosem's defaults.
 GUARDED_LEASE: Final = DEFAULT_TIMEOUT
@@ -131,10 +144,11 @@ GUARDED_WAITER_TTL: Final = WAITER_TIMEOUT
 
 @dataclass(frozen=True, slots=True)
 class BatchedScript:
-    """A script `ThinBatched` sends: its Lua, the suffixes of its keys, and the arguments it takes before the calls.
+    """A script of `ThinBatched`'s own: its Lua, the suffixes of its keys, and the arguments it takes before the calls.
 
-    Every call is two arguments, ``a`` or ``r`` and an identifier; the
-    script returns the permits it granted as identifier, fencing token pairs.
+    A turn's calls go in one call of it, each two arguments, ``a`` or ``r``
+    and an identifier; it returns the permits it granted as identifier,
+    fencing token pairs.
     """
 
     label: str
@@ -369,58 +383,153 @@ class Wakeups:
     loop_callbacks: float
 
 
+class Design(Protocol):
+    """What `ThinBatched` sends to Redis for a turn's calls, and how it reads the grants."""
+
+    #: What its waiters' identifiers start with.
+    prefix: str
+
+    def sources(self) -> tuple[str, ...]:
+        """The scripts to load before the first turn."""
+
+    def keys(self) -> tuple[str, ...]:
+        """The keys to empty before the first turn."""
+
+    def commands(self, calls: list[str]) -> list[Sent]:
+        """The commands that carry ``calls`` (``a`` or ``r``, then an identifier, each)."""
+
+
+class OwnScript:
+    """A `BatchedScript` for one semaphore: a turn's calls in one call of it."""
+
+    prefix = ""
+
+    def __init__(self, script: BatchedScript, name: str, limit: int) -> None:
+        self._script = script
+        self._sha = hashlib.sha1(script.lua.encode()).hexdigest()  # noqa: S324 -- Redis names scripts by SHA1
+        self._keys = tuple(f"{name}:{suffix}" for suffix in script.keys)
+        self._arguments = tuple(argument.format(limit=limit) for argument in script.arguments)
+
+    def sources(self) -> tuple[str, ...]:
+        return (self._script.lua,)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    def commands(self, calls: list[str]) -> list[Sent]:
+        return [(("EVALSHA", self._sha, len(self._keys), *self._keys, *self._arguments, *calls), self._grants)]
+
+    @staticmethod
+    def _grants(reply: list[bytes | int]) -> Iterable[tuple[str, int]]:
+        return ((bytes(reply[index]).decode(), int(reply[index + 1])) for index in range(0, len(reply), 2))
+
+
+class FairScripts:
+    """`AsyncFairSemaphore`'s own scripts, as its steps call them: a turn's releases in one, its acquires in another.
+
+    Both go in one write, the releases first, so that the permits they free
+    go to the queue before the acquires join it. Each release carries a call
+    id, as the class's do.
+    """
+
+    def __init__(self, keys: SemaphoreKeys, limit: int) -> None:
+        self._semaphore_keys = keys
+        self._limit = limit
+        self._caller = secrets.token_hex(8)
+        self.prefix = f"{self._caller}."
+        self._record = encode_record(DEFAULT_TIMEOUT, os.getpid(), "bench", None)
+
+    def sources(self) -> tuple[str, ...]:
+        return (FAIR_ACQUIRE.source, FAIR_RELEASE.source)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._semaphore_keys.fair
+
+    def commands(self, calls: list[str]) -> list[Sent]:
+        releases = [calls[index + 1] for index in range(0, len(calls), 2) if calls[index] == "r"]
+        acquires = [calls[index + 1] for index in range(0, len(calls), 2) if calls[index] == "a"]
+        sent: list[Sent] = []
+        if releases:
+            sent.append((self._command(Step.RELEASE, releases, secrets.token_hex(8)), self._handed(len(releases))))
+        if acquires:
+            sent.append((self._command(Step.WAIT, acquires, ""), self._granted(acquires)))
+        return sent
+
+    def _command(self, step: Step, identifiers: list[str], call: str) -> tuple[str | int, ...]:
+        script, keys, arguments = fair_call(
+            step,
+            self._semaphore_keys,
+            identifiers,
+            now=None,
+            lease=DEFAULT_TIMEOUT,
+            limit=self._limit,
+            waiter_ttl=WAITER_TIMEOUT,
+            caller=self._caller,
+            call=call,
+            relays=False,
+            record=self._record,
+            publish="PUBLISH",
+        )
+        return ("EVALSHA", script.sha, len(keys), *keys, *arguments)
+
+    @staticmethod
+    def _handed(count: int) -> Callable[[Any], Iterable[tuple[str, int]]]:
+        return lambda raw: parse_reply(raw, count).granted
+
+    @staticmethod
+    def _granted(acquires: list[str]) -> Callable[[Any], Iterable[tuple[str, int]]]:
+        def read(raw: Any) -> Iterable[tuple[str, int]]:
+            reply = parse_reply(raw, len(acquires))
+            at_once = [
+                (identifier, value) for identifier, value in zip(acquires, reply.values, strict=True) if value > 0
+            ]
+            return [*at_once, *reply.granted]
+
+        return read
+
+
 class ThinBatched:
     """The thinnest client of a batched semaphore kept in Redis: a bound on what batching gives, not one to use.
 
-    The calls made in one turn of the event loop go out together, as one
-    call of its `BatchedScript` on one connection, written and read with
-    hiredis and no redis-py in between; up to ``depth`` scripts are in
-    flight, answered in order. The client has none of what aiosem's owes
-    its users: no timeout, no cancellation, no failure handling, no
-    heartbeat for its waiters (the loops it runs in are shorter than their
-    time). Its script decides what Redis keeps: nothing a semaphore owes
-    (`BARE_SCRIPT`), or the lease, the fencing tokens, the queue and the
-    waiters' liveness (`GUARDED_SCRIPT`).
+    The calls made in one turn of the event loop go out together, in the
+    command or commands its `Design` makes of them, written in one write on
+    one connection and read with hiredis, no redis-py in between; up to
+    ``depth`` commands are in flight, answered in order. The client has none
+    of what aiosem's owes its users: no timeout, no cancellation, no failure
+    handling, no heartbeat for its waiters (the loops it runs in are shorter
+    than their time). Its design decides what Redis keeps: nothing a
+    semaphore owes (`BARE_SCRIPT`); the lease, the fencing tokens, the queue
+    and the waiters' liveness (`GUARDED_SCRIPT`); or everything aiosem keeps
+    (`FairScripts`).
     """
 
     __slots__ = (
-        "_arguments",
+        "_answering",
         "_depth",
+        "_design",
         "_granted",
         "_identifiers",
         "_in_flight",
-        "_keys",
         "_loop",
         "_pending",
         "_reader",
         "_scheduled",
-        "_sha",
         "_stream",
         "_task",
         "_writer",
     )
 
-    def __init__(
-        self,
-        stream: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        script: BatchedScript,
-        sha: str,
-        name: str,
-        *,
-        limit: int,
-        depth: int,
-    ) -> None:
+    def __init__(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter, design: Design, depth: int) -> None:
         self._stream = stream
         self._writer = writer
-        self._sha = sha
-        self._keys = tuple(f"{name}:{suffix}" for suffix in script.keys)
-        self._arguments = tuple(argument.format(limit=limit) for argument in script.arguments)
+        self._design = design
         self._depth = depth
         self._loop = asyncio.get_running_loop()
         self._reader = hiredis.Reader()
         self._pending: list[str] = []
-        self._granted: dict[bytes, asyncio.Future[int]] = {}
+        #: What reads the grants of each command in flight, in the order they were sent.
+        self._answering: collections.deque[Callable[[Any], Iterable[tuple[str, int]]]] = collections.deque()
+        self._granted: dict[str, asyncio.Future[int]] = {}
         self._in_flight = 0
         self._scheduled = False
         self._identifiers = itertools.count()
@@ -428,10 +537,8 @@ class ThinBatched:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def opened(
-        cls, port: int, script: BatchedScript, name: str, limit: int, depth: int
-    ) -> AsyncIterator[ThinBatched]:
-        """A new one on its own connection to the server at ``port``, with its keys under ``name`` emptied."""
+    async def opened(cls, port: int, design: Design, depth: int) -> AsyncIterator[ThinBatched]:
+        """A new one on its own connection to the server at ``port``, its scripts loaded and its keys emptied."""
         stream, writer = await asyncio.open_connection(HOST, port)
         reader = hiredis.Reader()
 
@@ -442,9 +549,10 @@ class ThinBatched:
                 reader.feed(await stream.read(65536))
             return reply
 
-        sha = (await command("SCRIPT", "LOAD", script.lua)).decode()
-        await command("DEL", *(f"{name}:{suffix}" for suffix in script.keys))
-        thin = cls(stream, writer, script, sha, name, limit=limit, depth=depth)
+        for source in design.sources():
+            await command("SCRIPT", "LOAD", source)
+        await command("DEL", *design.keys())
+        thin = cls(stream, writer, design, depth)
         try:
             yield thin
         finally:
@@ -455,8 +563,8 @@ class ThinBatched:
             await writer.wait_closed()
 
     async def acquire(self) -> str:
-        identifier = str(next(self._identifiers))
-        granted = self._granted[identifier.encode()] = self._loop.create_future()
+        identifier = f"{self._design.prefix}{next(self._identifiers)}"
+        granted = self._granted[identifier] = self._loop.create_future()
         self._pending += ("a", identifier)
         self._schedule()
         await granted
@@ -476,9 +584,11 @@ class ThinBatched:
         self._scheduled = False
         if self._pending and self._in_flight < self._depth:
             calls, self._pending = self._pending, []
-            command = ("EVALSHA", self._sha, len(self._keys), *self._keys, *self._arguments, *calls)
-            self._writer.write(hiredis.pack_command(command))  # type: ignore[arg-type]
-            self._in_flight += 1
+            sent = self._design.commands(calls)
+            # hiredis's stub types the argument as a tuple of one element.
+            self._writer.write(b"".join(hiredis.pack_command(command) for command, _ in sent))  # type: ignore[arg-type]
+            self._answering.extend(grants for _, grants in sent)
+            self._in_flight += len(sent)
 
     async def _read(self) -> None:
         try:
@@ -494,12 +604,12 @@ class ThinBatched:
             raise
 
     def _answer(self) -> None:
-        while (granted := self._reader.gets()) is not False:
-            if isinstance(granted, Exception):
-                raise granted
+        while (reply := self._reader.gets()) is not False:
+            if isinstance(reply, Exception):
+                raise reply
             self._in_flight -= 1
-            for index in range(0, len(granted), 2):
-                self._granted.pop(granted[index]).set_result(granted[index + 1])
+            for identifier, token in self._answering.popleft()(reply):
+                self._granted.pop(identifier).set_result(token)
         self._schedule()
 
 
@@ -685,9 +795,12 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
     client = new_client(port)
     try:
         async with (
-            ThinBatched.opened(port, BARE_SCRIPT, "bench:{bare-1}", 16, depth=1) as bare_1,
-            ThinBatched.opened(port, BARE_SCRIPT, "bench:{bare-2}", 16, depth=2) as bare_2,
-            ThinBatched.opened(port, GUARDED_SCRIPT, "bench:{guarded}", 16, depth=1) as guarded,
+            ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-1}", 16), depth=1) as bare_1,
+            ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-2}", 16), depth=2) as bare_2,
+            ThinBatched.opened(port, OwnScript(GUARDED_SCRIPT, "bench:{guarded}", 16), depth=1) as guarded,
+            ThinBatched.opened(
+                port, FairScripts(SemaphoreKeys.for_name(DEFAULT_PREFIX, "thin-fair"), 16), depth=2
+            ) as thin_fair,
         ):
             fair = AsyncFairSemaphore(client, "budget", 16)
             try:
@@ -696,6 +809,7 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
                     f"ThinBatched, {BARE_SCRIPT.label}, 1 in flight": bare_1,
                     f"ThinBatched, {BARE_SCRIPT.label}, 2 in flight": bare_2,
                     f"ThinBatched, {GUARDED_SCRIPT.label}": guarded,
+                    "ThinBatched, AsyncFairSemaphore's scripts": thin_fair,
                     "AsyncFairSemaphore": fair,
                 }
                 tallies = {loop: Tally() for loop in loops}
