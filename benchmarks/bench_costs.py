@@ -136,10 +136,11 @@ IN_PROCESS_LOOP: Final = "asyncio.Semaphore (one process)"
 BUDGET_ROUNDS: Final = 3
 #: The keys of the semaphore `FairScripts` keeps in the budget.
 THIN_FAIR_KEYS: Final = SemaphoreKeys.for_name(DEFAULT_PREFIX, "budget-thin")
-#: How long `GUARDED_SCRIPT`'s permits last, and how long its waiters are
-#: presumed alive after they joined the queue (seconds): aiosem's defaults.
-GUARDED_LEASE: Final = DEFAULT_TIMEOUT
-GUARDED_WAITER_TTL: Final = WAITER_TIMEOUT
+#: How long the permits of `GUARDED_SCRIPT` and of `FairScripts` last, and how
+#: long their waiters are presumed alive after they joined the queue
+#: (seconds): aiosem's defaults.
+BUDGET_LEASE: Final = DEFAULT_TIMEOUT
+BUDGET_WAITER_TTL: Final = WAITER_TIMEOUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +319,7 @@ end
 return reply
 """,
     ("timeouts", "owners", "counter", "queue", "waiters", "tickets"),
-    ("{limit}", f"{GUARDED_LEASE:g}", f"{GUARDED_WAITER_TTL:g}", str(SKIPLIST_AT), SKIPLIST_MOVER),
+    ("{limit}", f"{BUDGET_LEASE:g}", f"{BUDGET_WAITER_TTL:g}", str(SKIPLIST_AT), SKIPLIST_MOVER),
 )
 
 
@@ -420,8 +421,8 @@ class OwnScript:
         return [(("EVALSHA", self._sha, len(self._keys), *self._keys, *self._arguments, *calls), self._grants)]
 
     @staticmethod
-    def _grants(reply: list[bytes | int]) -> Iterable[tuple[str, int]]:
-        return ((bytes(reply[index]).decode(), int(reply[index + 1])) for index in range(0, len(reply), 2))
+    def _grants(reply: list[Any]) -> Iterable[tuple[str, int]]:
+        return ((reply[index].decode(), reply[index + 1]) for index in range(0, len(reply), 2))
 
 
 class FairScripts:
@@ -437,7 +438,7 @@ class FairScripts:
         self._limit = limit
         self._caller = secrets.token_hex(8)
         self.prefix = f"{self._caller}."
-        self._record = encode_record(DEFAULT_TIMEOUT, os.getpid(), "bench", None)
+        self._record = encode_record(BUDGET_LEASE, os.getpid(), "bench", None)
 
     def sources(self) -> tuple[str, ...]:
         return (FAIR_ACQUIRE.source, FAIR_RELEASE.source)
@@ -461,9 +462,9 @@ class FairScripts:
             self._semaphore_keys,
             identifiers,
             now=None,
-            lease=DEFAULT_TIMEOUT,
+            lease=BUDGET_LEASE,
             limit=self._limit,
-            waiter_ttl=WAITER_TIMEOUT,
+            waiter_ttl=BUDGET_WAITER_TTL,
             caller=self._caller,
             call=call,
             relays=False,
@@ -798,9 +799,7 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
             ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-1}", 16), depth=1) as bare_1,
             ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-2}", 16), depth=2) as bare_2,
             ThinBatched.opened(port, OwnScript(GUARDED_SCRIPT, "bench:{guarded}", 16), depth=1) as guarded,
-            ThinBatched.opened(
-                port, FairScripts(SemaphoreKeys.for_name(DEFAULT_PREFIX, "thin-fair"), 16), depth=2
-            ) as thin_fair,
+            ThinBatched.opened(port, FairScripts(THIN_FAIR_KEYS, 16), depth=2) as thin_fair,
         ):
             fair = AsyncFairSemaphore(client, "budget", 16)
             try:
