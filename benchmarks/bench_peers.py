@@ -69,7 +69,12 @@ process on Linux). The ratio divides by the best peer's p50 in the same run.
 Two floors are measured alike, with no semaphore at all: a token handed
 over by ``LPUSH`` to a ``BLPOP`` (what the blocking peers build on), and a
 key handed over by one ``PUBLISH`` to a subscriber (what aiosem's waiter
-wakes by). No design of either kind hands off faster than its floor.
+wakes by). No design of either kind hands off faster than its floor. A
+third, `GuardedBlpopFloor`, is the least a hand-off does that keeps the
+guarantees aiosem's keeps -- a lease on the server's clock, a fencing
+token, the queue's order, the waiters' liveness -- with the first floor's
+wake-up: one script grants the head of the queue and pushes its token onto
+the list its waiter blocks on.
 
 The peers come from PyPI: ``pip install redis-rate-limiters python-redis-lock``.
 
@@ -134,6 +139,7 @@ from limiters import AsyncSemaphore
 from redis.asyncio.connection import DefaultParser
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem._validation import WAITER_TIMEOUT
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -160,6 +166,7 @@ PeerName = Literal[
     "aiosem-locked",
     "floor-blpop",
     "floor-publish",
+    "floor-guarded",
 ]
 
 
@@ -187,6 +194,7 @@ PEERS: Final[dict[PeerName, Peer]] = {
     "aiosem-locked": Peer("aiosem AsyncLockedSemaphore", "aiosem"),
     "floor-blpop": Peer("floor: LPUSH heard by a BLPOP", None, floor=True),
     "floor-publish": Peer("floor: PUBLISH heard by a subscriber", None, floor=True),
+    "floor-guarded": Peer("floor: a guarded grant heard by a BLPOP", None, floor=True),
 }
 
 
@@ -381,7 +389,7 @@ class BlpopFloor:
     def __repr__(self) -> str:
         return f"BlpopFloor({self._key!r})"
 
-    async def make(self) -> None:
+    async def prepare(self) -> None:
         """Put the token in the list, once for every process."""
         if await self._client.set(f"{self._key}:made", 1, nx=True):
             await self._client.lpush(self._key, 1)
@@ -441,6 +449,110 @@ class PublishFloor:
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
 
 
+#: The guarded floor's scripts. KEYS: leases, queue, waiters' deadlines,
+#: tokens, tickets; ARGV: identifier, limit, lease and waiter timeout in ms,
+#: the prefix of the waiters' lists. Both read the server's clock, reap the
+#: permits whose lease ran out and the waiters presumed dead, and hand what
+#: is free to the head of the queue -- a token for each, pushed onto its
+#: list, and a lease of the waiter timeout -- before they act.
+GUARDED_PRELUDE: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local limit = tonumber(ARGV[2])
+local function serve()
+  local free = limit - redis.call('ZCARD', KEYS[1])
+  if free <= 0 then
+    return
+  end
+  local handed = now + math.min(tonumber(ARGV[3]), tonumber(ARGV[4]))
+  for _, head in ipairs(redis.call('ZRANGE', KEYS[2], 0, free - 1)) do
+    local token = redis.call('INCR', KEYS[4])
+    redis.call('ZADD', KEYS[1], handed, head)
+    redis.call('ZREM', KEYS[2], head)
+    redis.call('ZREM', KEYS[3], head)
+    redis.call('RPUSH', ARGV[5] .. head, token)
+    redis.call('PEXPIRE', ARGV[5] .. head, ARGV[4])
+  end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+if #dead > 0 then
+  redis.call('ZREM', KEYS[2], unpack(dead))
+  redis.call('ZREM', KEYS[3], unpack(dead))
+end
+"""
+#: A token, or 0 once queued: newcomers go behind the queue.
+GUARDED_ACQUIRE: Final = (
+    GUARDED_PRELUDE
+    + """
+serve()
+if redis.call('ZCARD', KEYS[2]) == 0 and redis.call('ZCARD', KEYS[1]) < limit then
+  redis.call('ZADD', KEYS[1], now + ARGV[3], ARGV[1])
+  return redis.call('INCR', KEYS[4])
+end
+redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[5]), ARGV[1])
+redis.call('ZADD', KEYS[3], now + ARGV[4], ARGV[1])
+return 0
+"""
+)
+#: 1 if the identifier held.
+GUARDED_RELEASE: Final = (
+    GUARDED_PRELUDE
+    + """
+local released = redis.call('ZREM', KEYS[1], ARGV[1])
+serve()
+return released
+"""
+)
+
+
+class GuardedBlpopFloor:
+    """The least a hand-off that keeps a semaphore's guarantees does, its waiter woken by a ``BLPOP``.
+
+    A semaphore whose permits have a lease on the server's clock, reaped once
+    it runs out; a fencing token per grant; a queue served in arrival order,
+    newcomers behind it; and waiters presumed dead past their timeout. The
+    release hands its permit to the head of the queue in its own script and
+    pushes the token onto the head's own list, where the waiter blocks. A
+    permit handed over starts with the waiter timeout as its lease, as
+    aiosem's does; the claim that would restart it lies after the waiter
+    returns, and is left out. So is all the rest: tombstones, receipts,
+    weights, a live limit, the keys' expiry, and a waiter's heartbeat during
+    a long wait. A waiter that gives up is not taken out of the queue (the
+    hand-off never gives up). Its lists' keys are outside the script's
+    declared keys: one server only.
+    """
+
+    __slots__ = ("_acquire", "_arguments", "_client", "_keys", "_release", "_wake")
+
+    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
+        self._client = client
+        key = f"floor:{{{name}}}"
+        self._keys = tuple(f"{key}:{part}" for part in ("leases", "queue", "waiters", "tokens", "tickets"))
+        self._wake = f"{key}:wake:"
+        #: Every call's arguments after its identifier: a mutex.
+        self._arguments = (1, round(LEASE * 1000), round(WAITER_TIMEOUT * 1000), self._wake)
+        self._acquire = self._release = ""
+
+    def __repr__(self) -> str:
+        return f"GuardedBlpopFloor({self._keys[0]!r})"
+
+    async def prepare(self) -> None:
+        """Load the scripts."""
+        self._acquire = str(await self._client.script_load(GUARDED_ACQUIRE))
+        self._release = str(await self._client.script_load(GUARDED_RELEASE))
+
+    async def acquire(self) -> str | None:
+        identifier = secrets.token_hex(8)
+        token = await self._client.evalsha(self._acquire, 5, *self._keys, identifier, *self._arguments)
+        if token == 0 and await self._client.blpop([self._wake + identifier], timeout=ACQUIRE_BOUND) is None:
+            return None
+        return identifier
+
+    async def release(self, permit: str) -> None:
+        await self._client.evalsha(self._release, 5, *self._keys, permit, *self._arguments)
+
+
 @dataclass(frozen=True, slots=True)
 class Clients:
     """A row's clients, both named after the row, both counting."""
@@ -496,9 +608,9 @@ async def contenders(peer: PeerName, clients: Clients, name: str, limit: int) ->
         # A thread per coroutine: each may sit in a BLPOP (anyio's default is 40).
         threads = anyio.CapacityLimiter(COROUTINES)
         cyclers = [ThreadedRedisLock(clients.synchronous, name, threads) for _ in range(COROUTINES)]
-    elif peer == "floor-blpop":
-        floor = BlpopFloor(client, name)
-        await floor.make()
+    elif peer in ("floor-blpop", "floor-guarded"):
+        floor = (BlpopFloor if peer == "floor-blpop" else GuardedBlpopFloor)(client, name)
+        await floor.prepare()
         cyclers = [floor] * COROUTINES
     elif peer == "floor-publish":
         semaphore = PublishFloor(client, name)
@@ -713,6 +825,7 @@ async def run_scenario(port: int, limit: int, duration: float, warmup: float) ->
 HANDOFF_PEERS: Final[tuple[PeerName, ...]] = (
     "floor-blpop",
     "floor-publish",
+    "floor-guarded",
     "limiters",
     "python-redis-lock",
     "redis-py-lock",

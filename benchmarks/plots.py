@@ -415,8 +415,9 @@ def peers(result: Result) -> Figure:
 def peer_handoff(result: Result) -> Figure:
     """Release in one process to acquire returning in another, at limit 1: aiosem beside the peers that block."""
     rows = result["handoffs"]
-    drawn, (ax,) = figure(result, 3.5, columns=1)
+    drawn, (ax,) = figure(result, 4.0, columns=1)
     colours = {"aiosem-fair": COLOURS["fair"], "aiosem-locked": COLOURS["locked"]}
+    colours |= {row["peer"]: FLOOR for row in rows if row["peer"].startswith("floor-")}
     positions = range(len(rows))
     for offset, (percentile, alpha) in enumerate((("p50", 1.0), ("p99", 0.45))):
         bars = ax.barh(
@@ -437,7 +438,7 @@ def peer_handoff(result: Result) -> Figure:
     ax.grid(axis="x", color="#eeeeee")
     drawn.suptitle(
         "Hand-off at limit 1: release called in one process to acquire returning in another\n"
-        f"{rows[0]['repetitions']} hand-offs each; solid p50, pale p99",
+        f"{rows[0]['repetitions']} hand-offs each; solid p50, pale p99; grey: floors",
         fontsize=TITLE,
     )
     return drawn
