@@ -511,10 +511,10 @@ class GuardedBlpopFloor:
 
     A semaphore whose permits have a lease on the server's clock, reaped once
     it runs out; a fencing token per grant; a queue served in arrival order,
-    newcomers behind it; and waiters presumed dead past their timeout. The
-    release hands its permit to the head of the queue in its own script and
-    pushes the token onto the head's own list, where the waiter blocks. A
-    permit handed over starts with the waiter timeout as its lease, as
+    newcomers behind it; and waiters presumed dead past their timeout. Each
+    script hands what is free -- a release, the permit it frees -- to the
+    head of the queue, and pushes the token onto the head's own list, where
+    the waiter blocks. A permit handed over starts with the waiter timeout as its lease, as
     aiosem's does; the claim that would restart it lies after the waiter
     returns, and is left out. So is all the rest: tombstones, receipts,
     weights, a live limit, the keys' expiry, and a waiter's heartbeat during
