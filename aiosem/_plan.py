@@ -6,7 +6,7 @@ writes and the step's `Reply`. It follows the fair scripts in
 ``aiosem/lua`` decision for decision -- same reaping, hand-off, grants,
 queueing, tombstones, receipts and TTLs, with the constants of
 ``_rules.py`` -- so both classes behave identically on the same data;
-``tests/test_differential.py`` runs the two side by side to hold it to
+``tests/contract/test_differential.py`` runs the two side by side to hold it to
 that. It does no I/O and changes nothing it is given.
 """
 

@@ -21,7 +21,7 @@ far apart the two copies are written and read.
 ``AIOSEM_DIFFERENTIAL_EXAMPLES`` sets how many examples to run (default
 `DEFAULT_EXAMPLES`), for a long run:
 
-    AIOSEM_DIFFERENTIAL_EXAMPLES=3000 pytest tests/test_differential.py \\
+    AIOSEM_DIFFERENTIAL_EXAMPLES=3000 pytest tests/contract/test_differential.py \\
         -p no:cacheprovider -o timeout=0 --hypothesis-show-statistics
 """
 

@@ -1,6 +1,6 @@
 """`plan_step`, the locked step's decision, is a pure function: it reads its state and changes none of it.
 
-What it decides is held to the fair scripts by ``tests/test_differential.py``.
+What it decides is held to the fair scripts by ``tests/contract/test_differential.py``.
 """
 
 from __future__ import annotations
