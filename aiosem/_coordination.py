@@ -398,6 +398,9 @@ class Subscriber(_PerLoop):
                 if message is not None:
                     heard, probed = self._loop.time(), None
                     await self._deliver(message)
+                    # The waiters a grant woke return before the next read is
+                    # set up: that set-up is redis-py's, and on nobody's way.
+                    await asyncio.sleep(0)
                     continue
                 await self._prune()
                 now = self._loop.time()

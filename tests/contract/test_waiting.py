@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, Permit, PermitLost, SemaphoreStatistics, recipes
+from aiosem._coordination import subscriber_of
 from aiosem._protocol import Step
 from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
 from aiosem._waiting import Waiter
@@ -125,6 +126,59 @@ async def test_a_waiter_handed_its_permit_by_message_resumes_before_its_claim_is
             while "written" not in events[events.index("resumed") :]:  # noqa: ASYNC110 -- the claim, on its way
                 await asyncio.sleep(0.002)
         assert events[events.index("releasing") + 1] == "resumed", events
+        assert permit is not None
+        assert await waiter_side.release(permit)
+    finally:
+        await waiter_side.aclose()
+        await holder_side.aclose()
+        await waiter_client.aclose()
+
+
+async def test_a_waiter_handed_its_permit_by_message_returns_before_its_reader_reads_on(
+    cls: SemaphoreClass,
+    redis_server: RedisServer,
+    admin_client: redis.asyncio.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The reader that heard the grant sets up its next read -- redis-py's
+    # `get_message` -- only once the waiters the grant woke have run: a
+    # hand-off's latency does not include it.
+    await admin_client.flushdb()
+    waiter_client = redis_server.client()
+    events: list[str] = []
+    # Made before the first waiter subscribes, so that every read the reader starts goes through the spy.
+    pubsub = subscriber_of(waiter_client)._pubsub  # type: ignore[union-attr]  # one server: a Subscriber
+    read = pubsub.get_message
+
+    async def get_message(*args: Any, **kwargs: Any) -> Any:
+        events.append("read")
+        message = await read(*args, **kwargs)
+        if message is not None and message["type"] == "message":
+            events.append("heard")
+        return message
+
+    monkeypatch.setattr(pubsub, "get_message", get_message)
+    holder_side = cls(admin_client, "returns-first", 1, timeout=30, waiter_timeout=30)
+    waiter_side = cls(waiter_client, "returns-first", 1, timeout=30, waiter_timeout=30)
+
+    async def acquire() -> Permit | None:
+        permit = await waiter_side.acquire()
+        events.append("returned")  # in the acquire's own task, with nothing awaited in between
+        return permit
+
+    try:
+        held = await holder_side.acquire()
+        assert held is not None
+        with anyio.fail_after(BOUND):
+            acquiring = asyncio.create_task(acquire())
+            await wait_until_queued(holder_side, 1)
+            await until_subscribed(waiter_side)
+            assert await holder_side.release(held)
+            permit = await acquiring
+            while "read" not in events[events.index("heard") :]:  # noqa: ASYNC110 -- the reader reads on
+                await asyncio.sleep(0.002)
+        after = events[events.index("heard") + 1 :]
+        assert after.index("returned") < after.index("read"), events
         assert permit is not None
         assert await waiter_side.release(permit)
     finally:
