@@ -657,8 +657,74 @@ async def detached(call: Awaitable[T], *, name: str) -> T:
 CLEANUP_TIMEOUT: Final = 5.0
 
 
-async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_TIMEOUT) -> T:
+class _Watchdog:
+    """Wakes the calls `to_the_end` waits for, of one event loop and one bound, once that bound has passed.
+
+    A timer set and cancelled for each call cost more than the rest of the
+    wait (a release in every ``async with``). Calls bounded alike come due
+    in the order they started, so one timer serves them all: set for the
+    oldest call still waiting, and moved on to the next when it fires.
+    """
+
+    __slots__ = ("_armed", "_due")
+
+    #: Held weakly, as its loop holds nothing of it but a timer.
+    _registry: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Watchdog]]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self) -> None:
+        #: The wake-up of each call waiting, and when it is due (loop time), oldest first.
+        self._due: dict[asyncio.Future[None], float] = {}
+        self._armed = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop, seconds: float) -> _Watchdog:
+        """The watchdog of ``loop``, the running one, for calls bounded to ``seconds``."""
+        watchdogs = cls._registry.get(loop)
+        if watchdogs is None:
+            watchdogs = cls._registry[loop] = {}
+        watchdog = watchdogs.get(seconds)
+        if watchdog is None:
+            watchdog = watchdogs[seconds] = cls()
+        return watchdog
+
+    def watch(self, wake: asyncio.Future[None], at: float) -> None:
+        """Settle ``wake`` at loop time ``at``, later than any watched before, unless `unwatch`-ed by then."""
+        self._due[wake] = at
+        if not self._armed:
+            self._arm(wake.get_loop(), at)
+
+    def unwatch(self, wake: asyncio.Future[None]) -> None:
+        self._due.pop(wake, None)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        self._armed = True
+        loop.call_at(at, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._armed = False
+        # The loop fires a timer up to its clock's resolution early.
+        now = loop.time() + _CLOCK_SLACK
+        for wake, at in list(self._due.items()):
+            if at > now:
+                self._arm(loop, at)
+                return
+            del self._due[wake]
+            if not wake.done():
+                wake.set_result(None)
+
+
+#: More than an event loop's clock resolution, nothing beside a bound of seconds.
+_CLOCK_SLACK: Final = 0.001
+
+
+async def to_the_end(call: Awaitable[T], *, name: str | Callable[[], str], seconds: float = CLEANUP_TIMEOUT) -> T:
     """Wait for ``call`` -- run in a task of its own, unless a future -- through any cancellation, up to ``seconds``.
+
+    ``name`` says what the call is, in its task's name and a timeout's
+    message; a callable makes it only when it is needed (most calls of a
+    future never do).
 
     What a cancelled caller must still do -- give back a permit, leave the
     queue -- is done before its cancellation goes on, whether that came from
@@ -674,17 +740,17 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
     """
     task = asyncio.ensure_future(call)
     if isinstance(task, asyncio.Task):
-        task.set_name(name)
+        task.set_name(name if isinstance(name, str) else name())
         _detached.keep(task)  # a future is kept by whoever is to settle it
-    task.add_done_callback(_ended)
+        task.add_done_callback(_ended)
     if task.done():  # an eager task factory ran it to its end already
         return task.result()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     # Most calls meet no cancellation: they wait on a future of their own,
-    # which a cancellation cancels instead of the task, and enter a shielded
+    # which a cancellation cancels instead of the call, and enter a shielded
     # scope only once one came -- a release in every `async with` pays for
-    # neither the scope nor `asyncio.wait`'s machinery.
+    # neither the scope nor `asyncio.wait`'s machinery, nor a timer.
     ended: asyncio.Future[None] = loop.create_future()
 
     def end(_: object) -> None:
@@ -692,10 +758,12 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
             ended.set_result(None)
 
     task.add_done_callback(end)
-    timer = loop.call_at(deadline, end, None)
+    watchdog = _Watchdog.of(loop, seconds)
+    watchdog.watch(ended, deadline)
     try:
         await ended
     except asyncio.CancelledError:
+        _read_when_done(task)
         # Shielded, anyio stops delivering its cancellation over and over.
         with anyio.CancelScope(shield=True):
             while not task.done() and (remaining := deadline - loop.time()) > 0:
@@ -703,11 +771,19 @@ async def to_the_end(call: Awaitable[T], *, name: str, seconds: float = CLEANUP_
                     await asyncio.wait({task}, timeout=remaining)
         raise
     finally:
-        timer.cancel()
+        watchdog.unwatch(ended)
         task.remove_done_callback(end)
     if not task.done():
-        raise TimeoutError(f"{name} took longer than {seconds:g} s; left to finish in the background")
+        _read_when_done(task)
+        what = name if isinstance(name, str) else name()
+        raise TimeoutError(f"{what} took longer than {seconds:g} s; left to finish in the background")
     return task.result()
+
+
+def _read_when_done(call: asyncio.Future[Any]) -> None:
+    """Have a future's outcome read once it ends, its waiter gone: a task's is read already."""
+    if not isinstance(call, asyncio.Task):
+        call.add_done_callback(_ended)
 
 
 def raise_if_cancel_swallowed(task: asyncio.Task[Any] | None) -> None:

@@ -210,13 +210,15 @@ class Holdings:
     Redis did not answer, is lost.
     """
 
-    __slots__ = ("__weakref__", "_backoff", "_core", "_holds")
+    __slots__ = ("__weakref__", "_backoff", "_core", "_holds", "_refresher")
 
     def __init__(self, core: Core) -> None:
         self._core = core
         #: Permits kept alive, by identifier.
         self._holds: dict[str, Hold] = {}
         self._backoff = Backoff(core.settings.refresh_interval, first=_RETRY_PAUSE)
+        #: The refresher of the event loop the object is bound to, once asked for (see `reset`).
+        self._refresher: Refresher | None = None
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -228,6 +230,14 @@ class Holdings:
     def reset(self) -> None:
         """Forget every hold: the object moved to another event loop (the old one is closed)."""
         self._holds.clear()
+        self._refresher = None
+
+    def _loop_refresher(self) -> Refresher:
+        """The refresher of the object's event loop: looked up once per loop, not once per permit."""
+        refresher = self._refresher
+        if refresher is None:
+            refresher = self._refresher = Refresher.of_running_loop()
+        return refresher
 
     def keep(
         self,
@@ -242,7 +252,7 @@ class Holdings:
         hold = self._holds[permit.identifier] = Hold(
             permit, confirmed_at=confirmed_at, lease=lease, scope=scope, on_lost=on_lost
         )
-        Refresher.of_running_loop().schedule(self, self._next_round(hold))
+        self._loop_refresher().schedule(self, self._next_round(hold))
         return hold
 
     def drop(self, hold: Hold) -> None:
@@ -250,7 +260,7 @@ class Holdings:
         if self._holds.get(hold.permit.identifier) is hold:
             del self._holds[hold.permit.identifier]
             if not self._holds:
-                Refresher.of_running_loop().cancel(self)
+                self._loop_refresher().cancel(self)
 
     def confirm(self, identifier: str, sent: float, lease: float) -> None:
         """A step sent at ``sent`` restarted the lease of ``identifier``'s permit, if it is kept alive."""
@@ -418,7 +428,7 @@ class Holdings:
         # any cancellation, with nothing of its own to start.
         answer = asyncio.ensure_future(sent)
         try:
-            released = await to_the_end(answer, name=f"the release of {permit}")
+            released = await to_the_end(answer, name=lambda: f"the release of {permit}")
         except asyncio.CancelledError:
             # Cancelled while the release went on to its end: told all the same.
             if answer.done() and not answer.cancelled() and answer.exception() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import anyio
@@ -287,3 +288,28 @@ async def test_a_body_whose_cancel_scope_is_left_out_of_order_still_gives_its_pe
         await sem.__aexit__(None, None, None)
     inner.__exit__(None, None, None)
     assert await sem.count() == 0
+
+
+def test_an_object_used_again_in_a_new_event_loop_keeps_its_permits_alive_there(
+    cls: SemaphoreClass, redis_server: RedisServer
+) -> None:
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    sem = cls(client, "moved", 1, timeout=0.6)
+    refreshed: list[bool] = []
+
+    async def hold_past_a_refresh() -> None:
+        async with sem as permit:
+            hold = sem._core.holdings.get(permit.identifier)
+            assert hold is not None
+            confirmed = hold.confirmed_at
+            with anyio.fail_after(BOUND):
+                while hold.confirmed_at == confirmed:  # noqa: ASYNC110 -- the refresher's own record
+                    await anyio.sleep(0.01)
+            refreshed.append(True)
+        # The loop closes with this run: its connections go with it.
+        await client.connection_pool.disconnect()
+
+    asyncio.run(hold_past_a_refresh())
+    asyncio.run(hold_past_a_refresh())
+
+    assert refreshed == [True, True]

@@ -1,16 +1,19 @@
-"""What a cycle costs in lookups of the running event loop.
+"""What a cycle costs in lookups of the running event loop, and in timers.
 
 On CPython 3.10 and 3.11, `asyncio.get_running_loop` checks the loop's
 process id with a ``getpid`` system call each time. A call of the object's
 looks the loop up once, when it binds the object, and hands it on; the
 steps, which carry many calls each, look it up a few times more.
+
+The release of every ``async with`` block is bounded: by one timer for all
+the releases of a loop, not one set and cancelled for each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -63,4 +66,35 @@ async def test_a_contended_cycle_looks_up_the_running_loop_a_few_times(
     monkeypatch.undo()
     assert counter.calls > 0  # the count sees aiosem's lookups
     assert counter.calls <= MOST_PER_CYCLE * COROUTINES * CYCLES_EACH
+    await sem.aclose()
+
+
+async def cycle_in_blocks(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> None:
+    for _ in range(CYCLES_EACH):
+        async with sem:
+            await asyncio.sleep(0)
+
+
+async def test_a_contended_block_sets_no_timer_of_its_own_for_its_release(
+    real_client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sem = AsyncFairSemaphore(real_client, "timers", LIMIT)
+    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    loop = asyncio.get_running_loop()
+    timers = 0
+    call_at = loop.call_at
+
+    def counted_call_at(when: float, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        nonlocal timers
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("aiosem"):
+            timers += 1
+        return call_at(when, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", counted_call_at)
+    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    monkeypatch.undo()
+
+    # What is left: the refresher's timer, set again whenever the object's
+    # holders all left together, once a step.
+    assert timers <= COROUTINES * CYCLES_EACH / 2
     await sem.aclose()

@@ -11,7 +11,9 @@ again while the call is still under way.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
+from typing import Any
 
 import anyio
 import pytest
@@ -174,3 +176,82 @@ async def test_a_cancelled_caller_whose_call_outlasts_the_bound_is_cancelled_at_
         await asyncio.wait_for(caller, SETTLE)
     assert not call.ended
     call.gate.set()
+
+
+# --- the bound: one timer for the calls of a loop bounded alike ------------------------------
+
+
+async def test_calls_bounded_alike_share_one_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.get_running_loop()
+    futures: list[asyncio.Future[int]] = [loop.create_future() for _ in range(50)]
+    timers: list[float] = []
+    call_at = loop.call_at
+
+    def counted_call_at(when: float, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        timers.append(when)
+        return call_at(when, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", counted_call_at)
+    callers = [asyncio.create_task(to_the_end(future, name="a release", seconds=30)) for future in futures]
+    await asyncio.sleep(0)  # all of them waiting
+    monkeypatch.undo()
+
+    assert len(timers) == 1
+    for value, future in enumerate(futures):
+        future.set_result(value)
+    assert await asyncio.wait_for(asyncio.gather(*callers), SETTLE) == list(range(50))
+
+
+async def test_a_call_times_out_at_its_own_bound_after_the_call_before_it_ended() -> None:
+    loop = asyncio.get_running_loop()
+    first, second = Call(), Call()
+    earlier = asyncio.create_task(to_the_end(first.run(), name="the first call", seconds=0.2))
+    await first.started.wait()
+    await asyncio.sleep(0.1)
+    started = loop.time()
+    later = asyncio.create_task(to_the_end(second.run(), name="the second call", seconds=0.2))
+    await second.started.wait()
+    first.gate.set()
+    assert await asyncio.wait_for(earlier, SETTLE) == "done"
+
+    with pytest.raises(TimeoutError, match="the second call took longer"):
+        await asyncio.wait_for(later, SETTLE)
+    # Not at the first call's bound, which the one timer was set for first.
+    assert loop.time() - started >= 0.2 - 0.01
+    second.gate.set()
+
+
+async def test_a_future_that_fails_after_its_waiter_timed_out_is_not_reported_as_never_retrieved() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    future: asyncio.Future[int] = loop.create_future()
+
+    with pytest.raises(TimeoutError):
+        await to_the_end(future, name="a release", seconds=0.01)
+    future.set_exception(ConnectionError("the connection failed"))
+    await asyncio.sleep(0)  # its done callbacks run
+    del future
+    gc.collect()
+
+    assert reported == []
+
+
+async def test_a_name_given_as_a_callable_is_made_only_for_a_timeout() -> None:
+    made: list[str] = []
+
+    def name() -> str:
+        made.append("the release of a permit")
+        return made[-1]
+
+    call = Call("released")
+    call.gate.set()
+    assert await to_the_end(call.run(), name=name) == "released"  # a task: named after it
+    future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    future.set_result("released")
+    assert await to_the_end(future, name=name) == "released"
+    assert made == ["the release of a permit"]
+
+    with pytest.raises(TimeoutError, match=r"the release of a permit took longer than 0\.01 s"):
+        await to_the_end(asyncio.get_running_loop().create_future(), name=name, seconds=0.01)
+    assert len(made) == 2
