@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, Union
 
-import anyio
 import redis
 from redis.asyncio.client import PubSub, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -32,7 +31,7 @@ from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, 
 
 from . import _fork
 from ._background import Background
-from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound
+from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound, cancel_scope
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -478,7 +477,7 @@ class _Park:
 
 
 async def _give_back(pool: Any, connection: AbstractConnection) -> None:
-    with anyio.CancelScope(shield=True):
+    with cancel_scope(shield=True):
         await pool.release(connection)
 
 
@@ -534,7 +533,7 @@ async def _borrow(pool: Any, *, parked: bool) -> AbstractConnection:
             return connection
         # Closed, so that the pool opens it anew: redis-py 8's pool hands out a
         # connection with something unread when it may be a maintenance notice.
-        with anyio.CancelScope(shield=True):
+        with cancel_scope(shield=True):
             await connection.disconnect(nowait=True)
         await _give_back(pool, connection)
     borrowed: AbstractConnection = await pool.get_connection()
@@ -573,13 +572,13 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
             if kept is not None and pool not in kept and connection.is_connected:
                 kept[pool] = connection  # nothing awaited: nothing to shield
             else:
-                with anyio.CancelScope(shield=True):
+                with cancel_scope(shield=True):
                     await pool.release(connection)
 
     try:
         yield PinnedConnection(connection)
     except BaseException:
-        with anyio.CancelScope(shield=True):
+        with cancel_scope(shield=True):
             await connection.disconnect(nowait=True)
         raise
     finally:

@@ -23,7 +23,7 @@ from ._exceptions import PermitLost
 from ._observing import emit_permit, log_fields
 from ._protocol import Step
 from ._task_stack import TaskStack
-from ._timing import Backoff
+from ._timing import Backoff, cancel_scope
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -370,7 +370,7 @@ class Holdings:
         self, permit: Permit, confirmed_at: float, lease: float, *, on_lost: Callable[[PermitLost], object] | None
     ) -> None:
         """Keep the permit of an ``async with`` body alive, and cancel the body if it is lost (unless ``on_lost``)."""
-        scope = anyio.CancelScope() if on_lost is None else None
+        scope = cancel_scope() if on_lost is None else None
         hold = self.keep(permit, confirmed_at, lease, scope=scope, on_lost=on_lost)
         if scope is not None:
             scope.__enter__()

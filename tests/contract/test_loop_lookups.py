@@ -1,12 +1,15 @@
-"""What a cycle costs in lookups of the running event loop, and in timers.
+"""What a cycle costs in lookups: of the running event loop, of anyio's backend, and in timers.
 
 On CPython 3.10 and 3.11, `asyncio.get_running_loop` checks the loop's
 process id with a ``getpid`` system call each time. A call of the object's
 looks the loop up once, when it binds the object, and hands it on; the
 steps, which carry many calls each, look it up a few times more.
 
-The release of every ``async with`` block is bounded: by one timer for all
-the releases of a loop, not one set and cancelled for each.
+An ``async with`` block makes a cancel scope, and each step one more: made
+through `anyio.CancelScope`, each asks which library runs and for its
+backend, several times what the scope itself costs. And the release of
+every block is bounded: by one timer for all the releases of a loop, not
+one set and cancelled for each.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import pytest
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
@@ -73,6 +77,30 @@ async def cycle_in_blocks(sem: AsyncFairSemaphore | AsyncLockedSemaphore) -> Non
     for _ in range(CYCLES_EACH):
         async with sem:
             await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
+async def test_a_contended_block_makes_its_cancel_scopes_without_asking_anyio_for_its_backend(
+    real_client: redis.asyncio.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore],
+) -> None:
+    sem = cls(real_client, f"scopes-{cls.__name__}", LIMIT)
+    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    dispatched = 0
+    dispatch = anyio.CancelScope.__new__
+
+    def counted_dispatch(scope_class: type[anyio.CancelScope], **options: Any) -> anyio.CancelScope:
+        nonlocal dispatched
+        dispatched += 1
+        return dispatch(scope_class, **options)
+
+    monkeypatch.setattr(anyio.CancelScope, "__new__", counted_dispatch)
+    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    monkeypatch.undo()
+
+    assert dispatched == 0
+    await sem.aclose()
 
 
 async def test_a_contended_block_sets_no_timer_of_its_own_for_its_release(
