@@ -24,6 +24,8 @@ import pytest
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     import redis.asyncio
 
 #: Coroutines, limit and cycles each: the contended loop of the throughput benchmark, shortened.
@@ -47,6 +49,11 @@ class LookupCounter:
         return self._original()
 
 
+async def contend(cycle: Callable[[], Awaitable[None]]) -> None:
+    """Run ``cycle`` in `COROUTINES` coroutines at once, all of them within a minute."""
+    await asyncio.wait_for(asyncio.gather(*(cycle() for _ in range(COROUTINES))), 60)
+
+
 @pytest.mark.parametrize("cls", [AsyncFairSemaphore, AsyncLockedSemaphore], ids=["fair", "locked"])
 async def test_a_contended_cycle_looks_up_the_running_loop_a_few_times(
     real_client: redis.asyncio.Redis,
@@ -63,10 +70,10 @@ async def test_a_contended_cycle_looks_up_the_running_loop_a_few_times(
             assert await sem.release(permit)
 
     # Warm: the scripts loaded, the lanes made.
-    await asyncio.wait_for(asyncio.gather(*(cycle_repeatedly() for _ in range(COROUTINES))), 60)
+    await contend(cycle_repeatedly)
     counter = LookupCounter()
     monkeypatch.setattr(asyncio, "get_running_loop", counter)
-    await asyncio.wait_for(asyncio.gather(*(cycle_repeatedly() for _ in range(COROUTINES))), 60)
+    await contend(cycle_repeatedly)
     monkeypatch.undo()
     assert counter.calls > 0  # the count sees aiosem's lookups
     assert counter.calls <= MOST_PER_CYCLE * COROUTINES * CYCLES_EACH
@@ -86,7 +93,7 @@ async def test_a_contended_block_makes_its_cancel_scopes_without_asking_anyio_fo
     cls: type[AsyncFairSemaphore | AsyncLockedSemaphore],
 ) -> None:
     sem = cls(real_client, f"scopes-{cls.__name__}", LIMIT)
-    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    await contend(lambda: cycle_in_blocks(sem))
     dispatched = 0
     dispatch = anyio.CancelScope.__new__
 
@@ -96,7 +103,7 @@ async def test_a_contended_block_makes_its_cancel_scopes_without_asking_anyio_fo
         return dispatch(scope_class, **options)
 
     monkeypatch.setattr(anyio.CancelScope, "__new__", counted_dispatch)
-    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    await contend(lambda: cycle_in_blocks(sem))
     monkeypatch.undo()
 
     assert dispatched == 0
@@ -107,7 +114,7 @@ async def test_a_contended_block_sets_no_timer_of_its_own_for_its_release(
     real_client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sem = AsyncFairSemaphore(real_client, "timers", LIMIT)
-    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    await contend(lambda: cycle_in_blocks(sem))
     loop = asyncio.get_running_loop()
     timers = 0
     call_at = loop.call_at
@@ -119,7 +126,7 @@ async def test_a_contended_block_sets_no_timer_of_its_own_for_its_release(
         return call_at(when, *args, **kwargs)
 
     monkeypatch.setattr(loop, "call_at", counted_call_at)
-    await asyncio.wait_for(asyncio.gather(*(cycle_in_blocks(sem) for _ in range(COROUTINES))), 60)
+    await contend(lambda: cycle_in_blocks(sem))
     monkeypatch.undo()
 
     # What is left: the refresher's timer, set again whenever the object's
