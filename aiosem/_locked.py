@@ -17,7 +17,7 @@ import redis.exceptions
 
 from ._background import Background
 from ._connection import Client, Command, PinnedConnection, pinned_connection, publish_command, redirected
-from ._coordination import Lane, resolve
+from ._coordination import Lane, Submission, resolve
 from ._exceptions import in_place_of, out_of_memory
 from ._keys import decode_limit
 from ._observing import log_fields
@@ -26,7 +26,7 @@ from ._plan import Decision, ReadState, past_cutoff, plan_step
 from ._protocol import Reply, Step
 from ._rules import queue_ttl_ms
 from ._semaphore import _Semaphore
-from ._timing import overdue, step_bound
+from ._timing import Bound, overdue, step_bound
 from ._validation import check_timeout
 from ._waiting import WaiterStep
 
@@ -144,6 +144,7 @@ class WatchedSteps:
         "_ticket_lane",
         "_tickets",
         "_unlocking",
+        "_withdrawal_lane",
     )
 
     #: Its plan relays a mutex granted to one of the caller's waiters through the run queued behind it,
@@ -166,7 +167,9 @@ class WatchedSteps:
         #: The waiters whose tickets are being drawn: set once the draw has ended, or failed.
         self._drawing: dict[bytes, asyncio.Event] = {}
         # Its failures are raised as a step's are: a lost connection names the Redis it could not reach.
-        self._ticket_lane: Lane[_Tickets] = Lane(self._draw_tickets, core.failure)
+        self._ticket_lane: Lane[_Values] = Lane(self._draw_tickets, core.failure)
+        # The acquires given up together leave :arriving together: one connection, not one each.
+        self._withdrawal_lane: Lane[_Values] = Lane(self._take_out_of_arriving, core.failure)
 
     async def close(self) -> None:
         """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""
@@ -194,7 +197,7 @@ class WatchedSteps:
         waiter.fail(overdue(f"drawing a ticket of semaphore {settings.name!r}", step_bound(settings.timeout)))
 
     def _drawn(
-        self, waiter: Waiter, then: Callable[[], None], outcome: tuple[Sequence[int], _Tickets] | BaseException
+        self, waiter: Waiter, then: Callable[[], None], outcome: tuple[Sequence[int], _Values] | BaseException
     ) -> None:
         """What a waiter's ticket draw answered, read in the ticket lane's task."""
         if waiter.timer is not None:
@@ -212,7 +215,7 @@ class WatchedSteps:
         self._tickets[waiter.identifier.encode()] = ticket
         then()
 
-    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Tickets:
+    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Values:
         # Bounded by each waiter's timer, from its arrival, waiting included. A try
         # whose reply was lost may have drawn tickets nobody holds: a gap in
         # the queue's order, never a tie.
@@ -224,7 +227,7 @@ class WatchedSteps:
 
         with self._being_drawn([identifier.encode() for identifier in identifiers]):
             last = _last_ticket(await redirected(client, attempt))
-        return _Tickets(tuple(range(last - len(identifiers) + 1, last + 1)))
+        return _Values(tuple(range(last - len(identifiers) + 1, last + 1)))
 
     @contextlib.contextmanager
     def _being_drawn(self, members: Sequence[bytes]) -> Iterator[None]:
@@ -269,27 +272,33 @@ class WatchedSteps:
         # drew its ticket, say): left in :arriving, it would stop every run
         # until a step found it past its deadline. Bounded as a step: past
         # that, it is only that.
-        members = [
-            member for member in (identifier.encode() for identifier in identifiers) if member in self._on_the_way
-        ]
-        if not members:
+        arriving = [identifier for identifier in identifiers if identifier.encode() in self._on_the_way]
+        if not arriving:
             return
-        keys = self._core.keys
-
-        async def attempt() -> None:
-            async with pinned_connection(self._core.client, keys.arriving) as connection:
-                await connection.batch(("ZREM", keys.arriving, *members))
-
+        members = [identifier.encode() for identifier in arriving]
         with anyio.move_on_after(step_bound(self._core.settings.timeout)):
             # Behind the draws' own writes of them: from another connection, the ZREM could overtake them.
             for drawn in {self._drawing[member] for member in members if member in self._drawing}:
                 await drawn.wait()
             try:
-                await redirected(self._core.client, attempt)
+                await self._withdrawal_lane.submit(Submission(arriving), asyncio.get_running_loop())
             except Exception:
                 logger.debug("could not take %r out of :arriving", members, exc_info=True)
             else:
                 self._on_the_way.difference_update(members)
+
+    async def _take_out_of_arriving(self, identifiers: Sequence[str], waiting_since: float | None) -> _Values:
+        keys, settings = self._core.keys, self._core.settings
+        loop = asyncio.get_running_loop()
+        spent = 0.0 if waiting_since is None else loop.time() - waiting_since
+
+        async def attempt() -> None:
+            async with pinned_connection(self._core.client, keys.arriving) as connection:
+                await connection.batch(("ZREM", keys.arriving, *identifiers))
+
+        bound = Bound(step_bound(settings.timeout), f"leaving :arriving of semaphore {settings.name!r}", spent=spent)
+        await redirected(self._core.client, attempt, bound=bound)
+        return _Values((0,) * len(identifiers))
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
@@ -583,7 +592,9 @@ class WatchedSteps:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Tickets:
+class _Values:
+    """What a lane of `WatchedSteps` answers, one value per identifier: its ticket, or 0 once out of ``:arriving``."""
+
     values: tuple[int, ...]
 
 

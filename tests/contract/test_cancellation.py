@@ -222,6 +222,50 @@ async def test_an_acquire_that_arrives_after_its_cancellation_takes_nothing(
     await assert_nothing_left(sem, direct)
 
 
+#: How many acquires are cancelled at once: half the connections of redis-py 8's default pool.
+TOGETHER = 50
+
+
+@pytest.fixture
+def arriving_command(cls: SemaphoreClass) -> bytes:
+    """The command of a blocking acquire's arrival: the fair first step's script, or the locked ticket draw."""
+    return b"EVALSHA" if cls is AsyncFairSemaphore else b"INCRBY"
+
+
+async def test_acquires_cancelled_together_give_up_on_a_connection_or_two(
+    cls: SemaphoreClass,
+    proxy: TcpProxy,
+    proxied: redis.asyncio.Redis,
+    direct: redis.asyncio.Redis,
+    arriving_command: bytes,
+) -> None:
+    # Each used to take a connection of its own to leave :arriving (locked),
+    # all at once as their draw ended: a hundred such ran redis-py 8's
+    # default pool dry, and the give-ups that met "Too many connections"
+    # left their permits held.
+    sem = cls(proxied, "sem", 1)
+    await warm_up(sem)
+    holder = await sem.acquire()
+    assert holder is not None
+    proxy.hold_replies(after=arriving_command)
+    acquiring = [asyncio.create_task(sem.acquire()) for _ in range(TOGETHER)]
+    with anyio.fail_after(WAIT):
+        await proxy.wait_until(lambda: proxy.held_replies > 0)
+    opened = proxy.accepted
+
+    for task in acquiring:
+        task.cancel()
+    await asyncio.sleep(0)  # each gives up, and waits for its arrival's reply
+    proxy.release_replies()
+    for task in acquiring:
+        await finished(task)
+
+    assert all(task.cancelled() for task in acquiring)
+    assert proxy.accepted - opened <= 2
+    assert await sem.release(holder)
+    await assert_nothing_left(sem, direct, tombstones=True)
+
+
 async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(
     cls: SemaphoreClass, proxied: redis.asyncio.Redis, direct: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
