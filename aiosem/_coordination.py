@@ -780,6 +780,27 @@ async def to_the_end(call: Awaitable[T], *, name: str | Callable[[], str], secon
     return task.result()
 
 
+async def clean_up(call: Awaitable[object], *, name: str, failed: Callable[[], None]) -> None:
+    """`to_the_end` for what a cancelled caller must still do, and nobody hears the outcome of: told if it fails.
+
+    ``failed`` is called in an ``except`` block (so a log call's
+    ``exc_info`` finds the error) if ``call`` raises -- in its own task,
+    even after its caller's cancellation went on -- or outlasts the bound
+    (then it goes on in the background, and is told there if it fails).
+    """
+
+    async def telling() -> None:
+        try:
+            await call
+        except Exception:  # noqa: BLE001 -- told, as nobody awaits it
+            failed()
+
+    try:
+        await to_the_end(telling(), name=name)
+    except TimeoutError:
+        failed()
+
+
 def _read_when_done(call: asyncio.Future[Any]) -> None:
     """Have a future's outcome read once it ends, its waiter gone: a task's is read already."""
     if not isinstance(call, asyncio.Task):

@@ -431,8 +431,16 @@ class Holdings:
             released = await to_the_end(answer, name=lambda: f"the release of {permit}")
         except asyncio.CancelledError:
             # Cancelled while the release went on to its end: told all the same.
-            if answer.done() and not answer.cancelled() and answer.exception() is None:
-                tell_release(permit, None, answer.result())
+            if answer.done() and not answer.cancelled():
+                if (error := answer.exception()) is None:
+                    tell_release(permit, None, answer.result())
+                else:
+                    logger.warning(
+                        "releasing %s failed while its holder was being cancelled",
+                        permit,
+                        exc_info=error,
+                        extra=log_fields(permit.name, permit.identifier),
+                    )
             raise
         except Exception:
             if exc is None:

@@ -13,7 +13,7 @@ import redis
 import redis.exceptions
 
 from ._connection import address, watch_eviction_policy
-from ._coordination import to_the_end
+from ._coordination import clean_up
 from ._exceptions import AcquireTimeout, out_of_memory, unavailable
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
@@ -242,15 +242,15 @@ class AsyncRateLimiter:
 
     async def _give_back(self, call: Awaitable[object]) -> None:
         """Run ``call``, which gives back the slot of a cancelled call if nobody reserved one after it, to its end."""
-        try:
-            await to_the_end(call, name=f"giving back a slot of {self!r}")
-        except Exception:
-            logger.warning(
-                "could not give back the slot of a cancelled wait on %r",
-                self,
-                exc_info=True,
-                extra=log_fields(self._name),
-            )
+        await clean_up(call, name=f"giving back a slot of {self!r}", failed=self._could_not_give_back)
+
+    def _could_not_give_back(self) -> None:
+        logger.warning(
+            "could not give back the slot of a cancelled wait on %r",
+            self,
+            exc_info=True,
+            extra=log_fields(self._name),
+        )
 
     async def try_acquire(self, *, cost: int = 1) -> bool:
         """Take a slot (or ``cost`` slots) if free now, without waiting; the same as ``acquire(blocking=False)``."""

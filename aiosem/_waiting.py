@@ -26,7 +26,7 @@ import anyio
 import redis
 
 from ._channel import Channel
-from ._coordination import Submission, raise_if_cancel_swallowed, resolve, to_the_end
+from ._coordination import Submission, clean_up, raise_if_cancel_swallowed, resolve
 from ._exceptions import SemaphoreError
 from ._keys import weighted
 from ._observing import log_fields
@@ -365,16 +365,10 @@ class WaitQueue:
         task = asyncio.current_task()
         self._giving_up.add(task)
         try:
-            await to_the_end(
+            await clean_up(
                 self._hand_back(relayed, others, sent=sent),
                 name=f"giving back what an acquire of {self._core.semaphore!r} took",
-            )
-        except Exception:
-            logger.warning(
-                "could not give back what an interrupted acquire of %r took",
-                self._core.semaphore,
-                exc_info=True,
-                extra=log_fields(self._core.settings.name),
+                failed=self._could_not_give_back,
             )
         finally:
             self._giving_up.discard(task)
@@ -390,6 +384,14 @@ class WaitQueue:
                 await self._core.submit(Step.CANCEL, others)
             # Behind the cancel: a waiter whose first step is still on its way may be noted arriving after it.
             await self._core.backend.withdraw(others)
+
+    def _could_not_give_back(self) -> None:
+        logger.warning(
+            "could not give back what an interrupted acquire of %r took",
+            self._core.semaphore,
+            exc_info=True,
+            extra=log_fields(self._core.settings.name),
+        )
 
     def forget_claim(self, identifier: str) -> None:
         """Stop claiming the permit of ``identifier``: given up, or released before its claim."""

@@ -12,9 +12,10 @@ itself a waiter timeout later).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -22,6 +23,8 @@ import redis.asyncio
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, LimiterEvent, Permit
+from aiosem._core import Core
+from aiosem._protocol import Step
 from aiosem._rules import TOMBSTONE_TTL_MS, queue_ttl_ms
 from aiosem._timing import SHORTEST_STEP_BOUND
 from aiosem._urls import close, connect
@@ -30,10 +33,11 @@ from tests.harness.proxy import TcpProxy
 from tests.harness.support import FakeClock, until_one_time_checks_done, until_subscribed
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from anyio.abc import TaskGroup
 
+    from aiosem._coordination import Submission
     from aiosem._protocol import Reply
     from tests.harness.support import RedisServer
 
@@ -264,6 +268,37 @@ async def test_acquires_cancelled_together_give_up_on_a_connection_or_two(
     assert proxy.accepted - opened <= 2
     assert await sem.release(holder)
     await assert_nothing_left(sem, direct, tombstones=True)
+
+
+async def test_a_give_up_that_fails_after_its_acquire_was_cancelled_is_logged(
+    cls: SemaphoreClass,
+    proxied: redis.asyncio.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An anyio scope cancels the caller again while it waits for its give-up:
+    # the give-up's failure, which the caller no longer hears of, used to go untold.
+    sem = cls(proxied, "sem", 1)
+    holder = await sem.acquire()
+    assert holder is not None
+    submit = Core.submit
+
+    async def cancel_fails(self: Core, step: Step, identifiers: Sequence[str] | Submission[Reply]) -> Any:
+        if step is Step.CANCEL:
+            raise redis.ConnectionError("Too many connections")
+        return await submit(self, step, identifiers)
+
+    monkeypatch.setattr(Core, "submit", cancel_fails)
+    with caplog.at_level(logging.WARNING, logger="aiosem"), anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(sem.acquire)
+            await until_queued(sem, 1)
+            tasks.cancel_scope.cancel()
+
+    (record,) = [record for record in caplog.records if "could not give back" in record.getMessage()]
+    assert record.exc_info is not None
+    assert "Too many connections" in str(record.exc_info[1])
+    assert await sem.release(holder)
 
 
 async def test_a_waiter_cancelled_right_after_its_grant_passes_the_permit_on(

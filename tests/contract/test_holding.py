@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, PermitLost, SemaphoreError
+from aiosem._core import Core
 from aiosem._holding import Refresher
+from aiosem._protocol import Step
 from tests.harness.support import flushed_client
 
 if TYPE_CHECKING:
@@ -288,6 +291,36 @@ async def test_a_body_whose_cancel_scope_is_left_out_of_order_still_gives_its_pe
         await sem.__aexit__(None, None, None)
     inner.__exit__(None, None, None)
     assert await sem.count() == 0
+
+
+async def test_a_release_that_fails_while_its_body_is_being_cancelled_is_logged(
+    cls: SemaphoreClass, client: redis.asyncio.Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scope cancels the block's end again as it waits for the release:
+    # the release's failure, which the cancellation wins over, used to go untold.
+    sem = cls(client, "failing", 1)
+    send = Core.send
+
+    def release_fails_later(self: Core, step: Step, identifier: str, loop: asyncio.AbstractEventLoop) -> Any:
+        if step is not Step.RELEASE:
+            return send(self, step, identifier, loop)
+        answer: asyncio.Future[int] = loop.create_future()
+        loop.call_later(0.05, answer.set_exception, redis.ConnectionError("Connection refused"))
+        return answer
+
+    monkeypatch.setattr(Core, "send", release_fails_later)
+    with caplog.at_level(logging.WARNING, logger="aiosem"), anyio.fail_after(BOUND):
+        with anyio.CancelScope() as scope:
+            async with sem as permit:
+                scope.cancel()
+                await anyio.sleep_forever()
+
+    (record,) = [record for record in caplog.records if "being cancelled" in record.getMessage()]
+    assert permit.identifier in record.getMessage()
+    assert record.exc_info is not None
+    assert "Connection refused" in str(record.exc_info[1])
+    monkeypatch.undo()
+    assert await sem.release(permit)
 
 
 def test_an_object_used_again_in_a_new_event_loop_keeps_its_permits_alive_there(

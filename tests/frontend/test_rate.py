@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -116,6 +117,30 @@ async def test_a_cancelled_wait_gives_its_slot_back(client: redis.asyncio.Redis,
         await limiter.acquire()  # its slot is 1 s away
     assert scope.cancelled_caught
     assert await client.get(limiter.key) == after_first
+
+
+async def test_a_give_back_that_fails_after_its_wait_was_cancelled_is_logged(
+    client: redis.asyncio.Redis, clock: FakeClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scope cancels the call again as it waits for the give-back: the
+    # give-back's failure, which the caller no longer hears of, used to go untold.
+    limiter = AsyncRateLimiter(client, "api", 1, clock=clock)
+    assert await limiter.acquire()
+    run = AsyncRateLimiter._run
+
+    async def return_fails(self: AsyncRateLimiter, mode: str, argument: str, cost: int = 1) -> tuple[bool, float, int]:
+        if mode == "return":
+            raise redis.ConnectionError("Connection refused")
+        return await run(self, mode, argument, cost)
+
+    monkeypatch.setattr(AsyncRateLimiter, "_run", return_fails)
+    with caplog.at_level(logging.WARNING, logger="aiosem"), anyio.move_on_after(0.2) as scope:
+        await limiter.acquire()  # its slot is 1 s away
+
+    assert scope.cancelled_caught
+    (record,) = [record for record in caplog.records if "could not give back" in record.getMessage()]
+    assert record.exc_info is not None
+    assert "Connection refused" in str(record.exc_info[1])
 
 
 async def test_a_cancelled_wait_keeps_the_slots_reserved_after_it(
