@@ -6,6 +6,8 @@ import asyncio
 import logging
 import math
 import time
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -13,8 +15,8 @@ import redis
 import redis.exceptions
 
 from ._connection import address, watch_eviction_policy
-from ._coordination import clean_up
-from ._exceptions import AcquireTimeout, out_of_memory, unavailable
+from ._coordination import Lane, Submission, clean_up
+from ._exceptions import AcquireTimeout, in_place_of, out_of_memory, unavailable
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, RateLimiterOptions, _Default, refuse_unknown
@@ -23,7 +25,7 @@ from ._timing import SHORTEST_STEP_BOUND, Bound
 from ._validation import check_callable, check_client, check_cost, check_name, check_now, check_rate, check_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
+    from collections.abc import Awaitable, Sequence
     from types import TracebackType
 
     from typing_extensions import Unpack
@@ -78,7 +80,19 @@ class AsyncRateLimiter:
         ValueError: An argument is out of range (the message names it).
     """
 
-    __slots__ = ("_blocking_timeout", "_burst", "_client", "_clock", "_interval_us", "_key", "_name", "_per", "_rate")
+    __slots__ = (
+        "_blocking_timeout",
+        "_burst",
+        "_client",
+        "_clock",
+        "_interval_us",
+        "_key",
+        "_lane",
+        "_lane_loop",
+        "_name",
+        "_per",
+        "_rate",
+    )
 
     def __init__(
         self, client: Client, name: str, rate: float, per: float = 1.0, **options: Unpack[RateLimiterOptions]
@@ -91,6 +105,9 @@ class AsyncRateLimiter:
         self._clock = check_callable(options.get("clock"), "clock")
         self._client = check_client(client)
         self._interval_us = max(1, round(self._per / self._rate * _MICROSECONDS))
+        #: The calls of the object's tasks go to Redis together, a batch at a time, in its event loop's lane.
+        self._lane: Lane[_Replies] | None = None
+        self._lane_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
 
     @property
     def name(self) -> str:
@@ -129,16 +146,45 @@ class AsyncRateLimiter:
         )
 
     async def _run(self, mode: str, argument: str, cost: int = 1) -> tuple[bool, float, int]:
+        """One call of the script, with the calls made meanwhile: granted, the wait in seconds, and the TAT after it.
+
+        Cancellation:
+            Raised at once; a call already sent goes on, and what it took is lost to the caller.
+        """
+        call = _Call(mode, argument, cost)
+        return _outcome(await self._send(call))
+
+    def _send(self, call: _Call) -> asyncio.Future[tuple[Sequence[int], _Replies]]:
+        """Have ``call`` go with the lane's next batch: its answer, which cancelled before it is sent leaves it out."""
+        loop = asyncio.get_running_loop()
+        if self._lane is None or self._lane_loop is None or self._lane_loop() is not loop:
+            # A lane's task belongs to its loop: an object used again in another loop starts a lane of its own.
+            self._lane, self._lane_loop = Lane(self._run_batch, self._failure), weakref.ref(loop)
+        answer = call.answer = loop.create_future()
+        self._lane.enqueue(call, loop)
+        return answer
+
+    async def _run_batch(self, arguments: Sequence[str], waiting_since: float | None) -> _Replies:
+        """Run the calls of a batch -- each its mode, argument and cost -- in one script, in order."""
         now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
-        with Bound(SHORTEST_STEP_BOUND, f"a step of rate limiter {self._name!r}"):
+        spent = 0.0 if waiting_since is None else asyncio.get_running_loop().time() - waiting_since
+        with Bound(SHORTEST_STEP_BOUND, f"a step of rate limiter {self._name!r}", spent=spent):
             try:
-                granted, wait, tat = await RATE_ACQUIRE.run(
-                    self._client, (self._key,), (now, self._interval_us, tolerance, mode, argument, cost)
+                replies = await RATE_ACQUIRE.run(
+                    self._client, (self._key,), (now, self._interval_us, tolerance, *arguments)
                 )
             except redis.exceptions.OutOfMemoryError as error:
                 raise out_of_memory(error, self._name, "rate limiter") from None
-        return int(granted) == 1, int(wait) / _MICROSECONDS, int(tat)
+        return _Replies(tuple(int(value) for value in replies))
+
+    def _failure(self, error: Exception) -> BaseException:
+        """What each caller of a failed batch raises: a lost connection names the Redis it could not reach."""
+        if isinstance(error, redis.exceptions.ConnectionError) and not isinstance(
+            error, redis.exceptions.AuthenticationError
+        ):
+            return in_place_of(unavailable(error, self._name, address(self._client), "rate limiter"), error)
+        return error
 
     async def acquire(
         self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT, *, cost: int = 1
@@ -206,27 +252,27 @@ class AsyncRateLimiter:
         return granted
 
     async def _reserve(self, mode: str, argument: str, cost: int) -> tuple[bool, float, int]:
-        """Take or reserve ``cost`` slots in a task of its own, so that a cancellation never cuts the call off.
+        """Take or reserve ``cost`` slots; a caller cancelled once they were sent gives them back.
 
-        A caller cancelled meanwhile hears of it at once, once the slots the
-        call took, if it took them, are given back.
+        The call runs in the lane's task, so that a cancellation never cuts
+        it off: the caller hears of it at once, once the slots the call took,
+        if it took them, are given back.
         """
-        reservation = asyncio.get_running_loop().create_task(self._run(mode, argument, cost), name="aiosem rate")
+        call = _Call(mode, argument, cost)
+        answer = self._send(call)
         try:
-            return await asyncio.shield(reservation)
+            return _outcome(await asyncio.shield(answer))
         except asyncio.CancelledError:
-            await self._give_back(self._slot_of(reservation, cost))
+            if call.sent:
+                await self._give_back(self._slots_of(answer, cost))
+            else:
+                answer.cancel()  # left out of its batch
             raise
-        except redis.exceptions.AuthenticationError:
-            raise
-        except redis.exceptions.ConnectionError as error:
-            # As a semaphore's: one short traceback, from the caller's frames, naming the Redis.
-            raise unavailable(error, self._name, address(self._client), "rate limiter") from None
 
-    async def _slot_of(self, reservation: asyncio.Task[tuple[bool, float, int]], cost: int) -> None:
-        """Give back the ``cost`` slots ``reservation`` takes, if it takes them."""
+    async def _slots_of(self, answer: asyncio.Future[tuple[Sequence[int], _Replies]], cost: int) -> None:
+        """Give back the ``cost`` slots the call ``answer`` answers took, if it took them."""
         try:
-            granted, _, tat = await reservation
+            granted, _, tat = _outcome(await answer)
         except redis.RedisError:
             return  # nothing was taken
         if granted:
@@ -283,3 +329,29 @@ class AsyncRateLimiter:
         traceback: TracebackType | None,
     ) -> None:
         """Nothing: a slot, once come, is used."""
+
+
+class _Call(Submission["_Replies"]):
+    """One call of the rate script in its limiter's lane: its mode, argument and cost, three of the batch's arguments.
+
+    The lane answers it with three values: granted (1 or 0), the wait in
+    microseconds, and the TAT the call left.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, mode: str, argument: str, cost: int) -> None:
+        super().__init__((mode, argument, str(cost)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Replies:
+    """What a batch of calls answered: three values per call, in order."""
+
+    values: tuple[int, ...]
+
+
+def _outcome(answer: tuple[Sequence[int], _Replies]) -> tuple[bool, float, int]:
+    """A call's answer as its caller takes it: granted, the wait in seconds, and the TAT after it."""
+    (granted, wait, tat), _ = answer
+    return granted == 1, wait / _MICROSECONDS, tat

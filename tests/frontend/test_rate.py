@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from tests.harness.support import FakeClock
+    from tests.harness.support import FakeClock, RedisServer
 
 #: The most any wait in these tests may take before the test fails.
 BOUND = 30.0
@@ -81,6 +81,40 @@ async def test_each_reservation_is_told_the_wait_for_the_next_slot_in_arrival_or
     limiter = AsyncRateLimiter(client, "api", 10, clock=clock)  # a slot every 0.1 s
     waits = [(await limiter._run("reserve", ""))[1] for _ in range(4)]
     assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3])
+
+
+async def test_calls_made_together_are_reserved_in_the_order_they_were_made(
+    client: redis.asyncio.Redis, clock: FakeClock
+) -> None:
+    limiter = AsyncRateLimiter(client, "api", 10, clock=clock)
+    calls = [limiter._run("reserve", "", cost) for cost in (1, 3, 1, 2)]
+    waits = [wait for _, wait, _ in await asyncio.gather(*calls)]
+    # As one after another: a call of cost k comes k - 1 intervals into its slots.
+    assert waits == pytest.approx([0.0, 0.3, 0.4, 0.6])
+
+
+async def test_a_refused_call_between_granted_ones_takes_nothing(client: redis.asyncio.Redis, clock: FakeClock) -> None:
+    limiter = AsyncRateLimiter(client, "api", 10, burst=2, clock=clock)
+    tries = [limiter.try_acquire() for _ in range(3)]
+    assert await asyncio.gather(*tries) == [True, True, False]
+    clock.advance(0.1)
+    assert await limiter.try_acquire()
+
+
+async def test_a_thousand_calls_at_once_on_redis_pys_default_client_all_get_their_slots(
+    redis_server: RedisServer,
+) -> None:
+    # Each used to send its own script, a connection each: past the 100 of
+    # redis-py 8's default pool they failed with "Too many connections".
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
+    limiter = AsyncRateLimiter(client, "crawl", 100_000, burst=1000)
+    try:
+        with anyio.fail_after(BOUND):
+            granted = await asyncio.gather(*(limiter.acquire() for _ in range(1000)))
+        assert all(granted)
+        assert len(await client.client_list()) <= 3
+    finally:
+        await client.aclose()
 
 
 async def test_a_slot_further_than_the_blocking_timeout_is_not_reserved(
