@@ -215,10 +215,11 @@ class WatchedSteps:
         self._tickets[waiter.identifier.encode()] = ticket
         then()
 
-    async def _draw_tickets(self, identifiers: Sequence[str], _waiting_since: float | None) -> _Values:
-        # Bounded by each waiter's timer, from its arrival, waiting included. A try
-        # whose reply was lost may have drawn tickets nobody holds: a gap in
-        # the queue's order, never a tie.
+    async def _draw_tickets(self, identifiers: Sequence[str], waiting_since: float | None) -> _Values:
+        # Each waiter's timer bounds its wait, from its arrival; the draw's own
+        # bound, the same, frees the lane of a connection that never answers.
+        # A try whose reply was lost may have drawn tickets nobody holds: a
+        # gap in the queue's order, never a tie.
         client, draw = self._core.client, self._ticket_draw(identifiers)
 
         async def attempt() -> list[Any]:
@@ -226,8 +227,16 @@ class WatchedSteps:
                 return await connection.retried(lambda: connection.batch(*draw))
 
         with self._being_drawn([identifier.encode() for identifier in identifiers]):
-            last = _last_ticket(await redirected(client, attempt))
+            last = _last_ticket(
+                await redirected(client, attempt, bound=self._lane_bound("drawing tickets", waiting_since))
+            )
         return _Values(tuple(range(last - len(identifiers) + 1, last + 1)))
+
+    def _lane_bound(self, what: str, waiting_since: float | None) -> Bound:
+        """The bound of a batch of one of this class's lanes: a step's, from the call that waited longest."""
+        settings = self._core.settings
+        spent = 0.0 if waiting_since is None else asyncio.get_running_loop().time() - waiting_since
+        return Bound(step_bound(settings.timeout), f"{what} of semaphore {settings.name!r}", spent=spent)
 
     @contextlib.contextmanager
     def _being_drawn(self, members: Sequence[bytes]) -> Iterator[None]:
@@ -288,16 +297,13 @@ class WatchedSteps:
                 self._on_the_way.difference_update(members)
 
     async def _take_out_of_arriving(self, identifiers: Sequence[str], waiting_since: float | None) -> _Values:
-        keys, settings = self._core.keys, self._core.settings
-        loop = asyncio.get_running_loop()
-        spent = 0.0 if waiting_since is None else loop.time() - waiting_since
+        keys = self._core.keys
 
         async def attempt() -> None:
             async with pinned_connection(self._core.client, keys.arriving) as connection:
                 await connection.batch(("ZREM", keys.arriving, *identifiers))
 
-        bound = Bound(step_bound(settings.timeout), f"leaving :arriving of semaphore {settings.name!r}", spent=spent)
-        await redirected(self._core.client, attempt, bound=bound)
+        await redirected(self._core.client, attempt, bound=self._lane_bound("leaving :arriving", waiting_since))
         return _Values((0,) * len(identifiers))
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:

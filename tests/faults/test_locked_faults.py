@@ -30,6 +30,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncLockedSemaphore, PermitLost
+from aiosem._coordination import CLEANUP_TIMEOUT
 from aiosem._timing import step_bound
 from tests.harness.faults import processes, proxied_client, proxied_url, report
 from tests.harness.support import until_queued
@@ -410,6 +411,45 @@ async def test_a_waiters_ticket_draw_that_gets_no_answer_raises_within_its_bound
     )
     assert step_bound(LEASE) <= took <= step_bound(LEASE) + BOUND / 4
     assert arriving == 0  # left there, it would stop every relay until a step found it stale
+
+
+@pytest.mark.slow
+async def test_a_ticket_draw_stalled_for_good_holds_up_no_later_acquire(
+    proxy: TcpProxy, redis_server: RedisServer
+) -> None:
+    # No socket timeout, and a connection that never answers again: the
+    # draws' lane used to wait on it for ever, and every later acquire of
+    # the object timed out behind it, long after the network healed.
+    client = proxied_client(proxy, redis_server, socket_timeout=None)
+    sem = AsyncLockedSemaphore(client, "stalled-draw", 1, timeout=LEASE)
+    try:
+        warm = await sem.acquire(blocking=False)  # the connections are open
+        assert warm is not None
+        assert await sem.release(warm)
+        proxy.partition()
+        started = anyio.current_time()
+        with anyio.fail_after(step_bound(LEASE) + BOUND), pytest.raises(redis.TimeoutError):
+            await sem.acquire(blocking_timeout=BOUND)
+        took = anyio.current_time() - started
+        proxy.heal()
+        healed = anyio.current_time()
+        with anyio.fail_after(BOUND):
+            permit = await sem.acquire(blocking_timeout=BOUND)
+        recovered = anyio.current_time() - healed
+        assert permit is not None
+        assert await sem.release(permit)
+    finally:
+        proxy.heal()
+        await sem.aclose()
+        await client.aclose(close_connection_pool=True)
+    report(
+        "AsyncLockedSemaphore: a waiter's ticket draw on a connection stalled for good",
+        caller_saw=f"TimeoutError after {took:.2f} s",
+        recovered_in=recovered,
+        over_limit="none",
+    )
+    # The draw's bound, then the give-up's, which cannot reach Redis either.
+    assert took <= step_bound(LEASE) + CLEANUP_TIMEOUT + BOUND / 4
 
 
 # --- what waiting for a busy lock costs ----------------------------------------------------------
