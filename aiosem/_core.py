@@ -19,6 +19,7 @@ import asyncio
 import os
 import secrets
 import socket
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Final, Protocol
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import redis
 
 from ._connection import Client, address, give_back_parked, redirected, scored, text, transaction
-from ._coordination import Lane, Submission, detached, resolve, to_the_end
+from ._coordination import Lane, Submission, resolve, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, in_place_of, out_of_memory, unavailable
 from ._holding import Holdings
 from ._keys import encode_record
@@ -143,6 +144,7 @@ class Core:
     __slots__ = (
         "_labels",
         "_lanes",
+        "_looks",
         "_step_bound",
         "backend",
         "client",
@@ -178,6 +180,8 @@ class Core:
         self.process = secrets.token_hex(8)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lanes: dict[Step, Lane[Reply]] = {}
+        #: The lane of `holders`' looks, and the event loop it belongs to: any loop may look.
+        self._looks: tuple[weakref.ref[asyncio.AbstractEventLoop], Lane[_Look]] | None = None
         #: What the last step answered: the counts `statistics` shows.
         self.last = Reply(0, 0, settings.limit, None, ())
         self.backend = backend(self)
@@ -344,18 +348,26 @@ class Core:
                 await backoff.pause()
 
     async def holders(self) -> dict[str, float]:
-        """The live holders' identifiers, each with the seconds left of its lease: see `_Semaphore.holders`."""
+        """The live holders' identifiers, each with the seconds left of its lease: see `_Semaphore.holders`.
+
+        The looks of the object's tasks made while one is on its way share
+        the next: one connection, whatever their number.
+        """
+        loop = asyncio.get_running_loop()
+        if self._looks is None or self._looks[0]() is not loop:
+            self._looks = (weakref.ref(loop), Lane(lambda _identifiers, _since: self._look(), self.failure))
+        _, look = await self._looks[1].submit(Submission(()), loop)
+        return dict(look.holders)
+
+    async def _look(self) -> _Look:
         keys = self.keys
         try:
-            leases, owners, time = await detached(
-                transaction(
-                    self.client,
-                    keys.base,
-                    ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
-                    ("ZRANGE", keys.owner_set, 0, -1),
-                    ("TIME",),
-                ),
-                name="aiosem holders",
+            leases, owners, time = await transaction(
+                self.client,
+                keys.base,
+                ("ZRANGE", keys.timeout_set, 0, -1, "WITHSCORES"),
+                ("ZRANGE", keys.owner_set, 0, -1),
+                ("TIME",),
             )
         except redis.exceptions.OutOfMemoryError as error:
             raise out_of_memory(error, self.settings.name) from None
@@ -364,11 +376,8 @@ class Core:
             now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}
         lease = self.settings.timeout
-        return {
-            member: remaining
-            for member, score in scored(leases)
-            if member in owned and (remaining := score + lease - now) > 0
-        }
+        alive = {member: score + lease - now for member, score in scored(leases) if member in owned}
+        return _Look({member: remaining for member, remaining in alive.items() if remaining > 0})
 
     async def close(self) -> None:
         """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""
@@ -418,3 +427,11 @@ class Core:
             outcomes += zip(passed, values[::3], strict=True)
         for hold, value in outcomes:
             emit_permit("released" if value == 1 else "lost", hold.permit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Look:
+    """What one look at the holders found: each live holder's seconds left (a look names no identifier)."""
+
+    holders: dict[str, float]
+    values: tuple[int, ...] = ()

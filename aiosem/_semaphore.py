@@ -514,7 +514,9 @@ class _Semaphore:
     async def holders(self) -> dict[str, float]:
         """Return the live holders' identifiers, each with the seconds left of its lease.
 
-        A read-only look: nothing is reaped or handed off.
+        A read-only look: nothing is reaped or handed off. The looks of the
+        object's tasks made while one is on its way share the next, one
+        read in Redis; each caller gets a dict of its own.
 
         Raises:
             OutOfMemory: Redis's memory is full: it refuses even this
