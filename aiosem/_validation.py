@@ -254,10 +254,10 @@ def check_limits(value: object) -> dict[str, int]:
 
 
 def check_rate(rate: object, per: object = 1.0, burst: object = 1) -> Rate:
-    """A whole rate, each part checked as `AsyncRateLimiter` checks it."""
-    rate, per = check_positive(rate, "rate"), check_positive(per, "per")
+    """A whole rate, each part checked as `AsyncRateLimiter` checks it: each on its own, in order, then together."""
+    rate, per, burst = check_positive(rate, "rate"), check_positive(per, "per"), check_burst(burst)
     check_interval(rate, per)
-    return Rate(rate, per, check_burst(burst))
+    return Rate(rate, per, burst)
 
 
 def check_rates(value: object) -> dict[str, Rate]:
