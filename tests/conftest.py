@@ -135,6 +135,18 @@ async def client(request: pytest.FixtureRequest) -> AsyncIterator[redis.asyncio.
 
 
 @pytest.fixture
+async def default_client(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of the session's emptied server, made with redis-py's defaults, as users make one.
+
+    On redis-py 8 its pool holds at most 100 connections and refuses the
+    101st at once: what a call that borrowed a connection per caller met.
+    """
+    connection = await flushed_client(redis_server)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
 async def client_admin(client: redis.asyncio.Redis) -> AsyncIterator[redis.asyncio.Redis]:
     """An unrestricted client of `client`'s backend, for tests that inspect it with more than aiosem's commands."""
     async with unrestricted(client) as admin:

@@ -12,8 +12,6 @@ from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, LimitMismatch, reci
 if TYPE_CHECKING:
     import redis.asyncio
 
-    from tests.harness.support import RedisServer
-
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
 
@@ -32,22 +30,18 @@ async def test_another_limit_is_refused_while_somebody_holds(cls: SemaphoreClass
 
 
 async def test_hundreds_of_callers_of_another_limit_all_hear_limit_mismatch_on_a_default_client(
-    cls: SemaphoreClass, redis_server: RedisServer
+    cls: SemaphoreClass, default_client: redis.asyncio.Redis
 ) -> None:
     # Each used to read the stored limit with a command of its own, all at
     # once: past the 100 connections of redis-py 8's default pool, they
     # raised "Too many connections" instead.
-    client = redis_server.client()  # redis-py's defaults, as the suite's user
-    try:
-        three = cls(client, "db", 3)
-        held = await three.acquire()
-        assert held is not None
-        five = cls(client, "db", 5)
-        outcomes = await asyncio.gather(*(five.acquire() for _ in range(300)), return_exceptions=True)
-        assert all(isinstance(outcome, LimitMismatch) and outcome.stored_limit == 3 for outcome in outcomes)
-        assert await three.release(held)
-    finally:
-        await client.aclose()
+    three = cls(default_client, "db", 3)
+    held = await three.acquire()
+    assert held is not None
+    five = cls(default_client, "db", 5)
+    outcomes = await asyncio.gather(*(five.acquire() for _ in range(300)), return_exceptions=True)
+    assert all(isinstance(outcome, LimitMismatch) and outcome.stored_limit == 3 for outcome in outcomes)
+    assert await three.release(held)
 
 
 async def test_another_limit_is_refused_while_somebody_waits(cls: SemaphoreClass, client: redis.asyncio.Redis) -> None:

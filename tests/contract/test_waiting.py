@@ -364,22 +364,18 @@ async def test_holders_lists_identifiers_with_their_remaining_lease(make: Callab
 
 
 async def test_hundreds_of_looks_at_the_holders_at_once_answer_on_a_default_client(
-    cls: SemaphoreClass, redis_server: RedisServer
+    cls: SemaphoreClass, default_client: redis.asyncio.Redis
 ) -> None:
     # Each used to take a connection of its own: past the 100 of redis-py
     # 8's default pool, they raised "Too many connections".
-    client = redis_server.client()  # redis-py's defaults, as the suite's user
-    try:
-        sem = cls(client, "looked-at", 2)
-        permit = await sem.acquire()
-        assert permit is not None
-        looks = await asyncio.gather(*(sem.holders() for _ in range(300)))
-        assert all(set(look) == {permit.identifier} for look in looks)
-        looks[0].clear()  # each caller has a dict of its own
-        assert looks[1]
-        assert await sem.release(permit)
-    finally:
-        await client.aclose()
+    sem = cls(default_client, "looked-at", 2)
+    permit = await sem.acquire()
+    assert permit is not None
+    looks = await asyncio.gather(*(sem.holders() for _ in range(300)))
+    assert all(set(look) == {permit.identifier} for look in looks)
+    looks[0].clear()  # each caller has a dict of its own
+    assert looks[1]
+    assert await sem.release(permit)
 
 
 async def test_statistics_is_a_frozen_snapshot(make: Callable[..., Semaphore]) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from tests.harness.support import FakeClock, RedisServer
+    from tests.harness.support import FakeClock
 
 #: The most any wait in these tests may take before the test fails.
 BOUND = 30.0
@@ -102,18 +102,14 @@ async def test_a_refused_call_between_granted_ones_takes_nothing(client: redis.a
 
 
 async def test_a_thousand_calls_at_once_on_redis_pys_default_client_all_get_their_slots(
-    redis_server: RedisServer,
+    default_client: redis.asyncio.Redis,
 ) -> None:
     # Each used to send its own script, a connection each: past the 100 of
     # redis-py 8's default pool they failed with "Too many connections".
-    client = redis_server.client()  # redis-py's defaults, as the suite's user
-    limiter = AsyncRateLimiter(client, "crawl", 100_000, burst=1000)
-    try:
-        with anyio.fail_after(BOUND):
-            granted = await asyncio.gather(*(limiter.acquire() for _ in range(1000)))
-        assert all(granted)
-    finally:
-        await client.aclose()
+    limiter = AsyncRateLimiter(default_client, "crawl", 100_000, burst=1000)
+    with anyio.fail_after(BOUND):
+        granted = await asyncio.gather(*(limiter.acquire() for _ in range(1000)))
+    assert all(granted)
 
 
 async def test_a_slot_further_than_the_blocking_timeout_is_not_reserved(
