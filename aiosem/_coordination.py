@@ -140,8 +140,8 @@ class Lane(Generic[R]):
     (`Submission.sent`) and undoes what it may have done.
 
     ``run`` takes the identifiers of a batch, and when the longest-waiting
-    call of the batch began to wait, and returns a result whose ``values``
-    hold one value per identifier. A call's bound counts from its call,
+    call of the batch began to wait, and returns one value per identifier
+    and the batch's whole result. A call's bound counts from its call,
     waiting included. ``failure`` gives each call of a failed batch the
     error it is to raise (a fresh one each: an exception raised in several
     tasks gathers all their tracebacks).
@@ -151,7 +151,7 @@ class Lane(Generic[R]):
 
     def __init__(
         self,
-        run: Callable[[Sequence[str], float | None], Awaitable[R]],
+        run: Callable[[Sequence[str], float | None], Awaitable[tuple[Sequence[int], R]]],
         failure: Callable[[Exception], BaseException] | None = None,
     ) -> None:
         self._run = run
@@ -207,7 +207,7 @@ class Lane(Generic[R]):
             submission.sent = True
         waiting_since = min((s.waiting_since for s in batch if s.waiting_since is not None), default=None)
         try:
-            result = await self._run([i for submission in batch for i in submission.identifiers], waiting_since)
+            values, result = await self._run([i for submission in batch for i in submission.identifiers], waiting_since)
         except Exception as error:  # noqa: BLE001 -- every call of the batch gets the batch's error
             for submission in batch:
                 submission.settle(error if self._failure is None else self._failure(error))
@@ -216,12 +216,38 @@ class Lane(Generic[R]):
             for submission in batch:
                 submission.settle(asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error)
             raise
-        values = result.values  # type: ignore[attr-defined]
         offset = 0
         for submission in batch:
             count = len(submission.identifiers)
             submission.settle((values[offset : offset + count], result))
             offset += count
+
+
+class LaneOfLoop(Generic[R]):
+    """A `Lane` for an object any event loop may use: the lane of the loop that calls, made on first use.
+
+    A lane's task belongs to the loop it runs in, so an object used again
+    in another loop (the first one closed) starts a lane of its own there;
+    the loop is held weakly, so a lane never keeps a closed loop alive.
+    """
+
+    __slots__ = ("_failure", "_lane", "_loop", "_run")
+
+    def __init__(
+        self,
+        run: Callable[[Sequence[str], float | None], Awaitable[tuple[Sequence[int], R]]],
+        failure: Callable[[Exception], BaseException],
+    ) -> None:
+        self._run = run
+        self._failure = failure
+        self._lane: Lane[R] | None = None
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    def of(self, loop: asyncio.AbstractEventLoop) -> Lane[R]:
+        """The lane of ``loop``, the running one."""
+        if self._lane is None or self._loop is None or self._loop() is not loop:
+            self._lane, self._loop = Lane(self._run, self._failure), weakref.ref(loop)
+        return self._lane
 
 
 class _Kinds(NamedTuple):

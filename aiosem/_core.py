@@ -19,7 +19,6 @@ import asyncio
 import os
 import secrets
 import socket
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Final, Protocol
@@ -27,8 +26,8 @@ from typing import TYPE_CHECKING, Final, Protocol
 import redis
 
 from ._connection import Client, address, give_back_parked, redirected, scored, text, transaction
-from ._coordination import Lane, Submission, resolve, to_the_end
-from ._exceptions import NotReplicated, SemaphoreError, in_place_of, out_of_memory, unavailable
+from ._coordination import Lane, LaneOfLoop, Submission, resolve, to_the_end
+from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, step_failure
 from ._holding import Holdings
 from ._keys import encode_record
 from ._observing import emit_permit
@@ -180,8 +179,8 @@ class Core:
         self.process = secrets.token_hex(8)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lanes: dict[Step, Lane[Reply]] = {}
-        #: The lane of `holders`' looks, and the event loop it belongs to: any loop may look.
-        self._looks: tuple[weakref.ref[asyncio.AbstractEventLoop], Lane[_Look]] | None = None
+        #: The lane of `holders`' looks: any loop may look.
+        self._looks: LaneOfLoop[dict[str, float]] = LaneOfLoop(self._look, self.failure)
         #: What the last step answered: the counts `statistics` shows.
         self.last = Reply(0, 0, settings.limit, None, ())
         self.backend = backend(self)
@@ -256,16 +255,8 @@ class Core:
         self._lane(step).enqueue(submission, loop)
 
     def failure(self, error: BaseException) -> BaseException:
-        """What the caller of a step raises for the step's ``error``, a new one for each caller.
-
-        A connection's failure is raised afresh, in the caller's task (``from
-        None``): one short traceback, from the caller's frames, that says
-        which Redis could not be reached. redis-py's `AuthenticationError`
-        says what was refused, and stays as it is.
-        """
-        if isinstance(error, redis.ConnectionError) and not isinstance(error, redis.AuthenticationError):
-            return in_place_of(unavailable(error, self.settings.name, address(self.client)), error)
-        return error
+        """What the caller of a step raises for the step's ``error``: see `step_failure`."""
+        return step_failure(error, self.settings.name, address(self.client))
 
     def _lane(self, step: Step) -> Lane[Reply]:
         lane = self._lanes.get(step)
@@ -273,7 +264,9 @@ class Core:
             lane = self._lanes[step] = Lane(lambda ids, since: self._step(step, ids, since), self.failure)
         return lane
 
-    async def _step(self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None) -> Reply:
+    async def _step(
+        self, step: Step, identifiers: Sequence[str], waiting_since: float | None = None
+    ) -> tuple[Sequence[int], Reply]:
         """Carry out a step; a call that waited in its lane since ``waiting_since`` has that much less of its bound."""
         settings = self.settings
         deadline: Deadline | None = None
@@ -309,7 +302,7 @@ class Core:
             await backoff.pause(deadline)
         self.last = reply
         self.queue.observe(reply, sent)
-        return reply
+        return reply.values, reply
 
     async def _bounded_execute(
         self, step: Step, identifiers: Sequence[str], call: str, spent: float = 0.0
@@ -354,12 +347,13 @@ class Core:
         the next: one connection, whatever their number.
         """
         loop = asyncio.get_running_loop()
-        if self._looks is None or self._looks[0]() is not loop:
-            self._looks = (weakref.ref(loop), Lane(lambda _identifiers, _since: self._look(), self.failure))
-        _, look = await self._looks[1].submit(Submission(()), loop)
-        return dict(look.holders)
+        _, holders = await self._looks.of(loop).submit(Submission(()), loop)
+        return dict(holders)
 
-    async def _look(self) -> _Look:
+    async def _look(
+        self, _identifiers: Sequence[str], _waiting_since: float | None
+    ) -> tuple[Sequence[int], dict[str, float]]:
+        """One look at the holders, for every look made meanwhile (a look names no identifier)."""
         keys = self.keys
         try:
             leases, owners, time = await transaction(
@@ -377,7 +371,7 @@ class Core:
         owned = {text(owner) for owner in owners}
         lease = self.settings.timeout
         alive = {member: score + lease - now for member, score in scored(leases) if member in owned}
-        return _Look({member: remaining for member, remaining in alive.items() if remaining > 0})
+        return (), {member: remaining for member, remaining in alive.items() if remaining > 0}
 
     async def close(self) -> None:
         """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""
@@ -427,11 +421,3 @@ class Core:
             outcomes += zip(passed, values[::3], strict=True)
         for hold, value in outcomes:
             emit_permit("released" if value == 1 else "lost", hold.permit)
-
-
-@dataclass(frozen=True, slots=True)
-class _Look:
-    """What one look at the holders found: each live holder's seconds left (a look names no identifier)."""
-
-    holders: dict[str, float]
-    values: tuple[int, ...] = ()

@@ -278,3 +278,18 @@ def unavailable(
         return error
     detail = " ".join(str(error).split()) or type(error).__name__
     return RedisUnavailable(name=name, address=address, detail=detail, what=what)
+
+
+def step_failure(error: BaseException, name: str, address: str, what: str = "semaphore") -> BaseException:
+    """What a caller of ``name``'s failed step raises for the step's ``error``, a new one for each caller.
+
+    A connection's failure is raised afresh, in the caller's task (``from
+    None``): one short traceback, from the caller's frames, that says which
+    Redis (``address``) could not be reached. redis-py's
+    `AuthenticationError` says what was refused, and stays as it is.
+    """
+    if isinstance(error, redis.exceptions.ConnectionError) and not isinstance(
+        error, redis.exceptions.AuthenticationError
+    ):
+        return in_place_of(unavailable(error, name, address, what), error)
+    return error

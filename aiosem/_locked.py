@@ -167,9 +167,9 @@ class WatchedSteps:
         #: The waiters whose tickets are being drawn: set once the draw has ended, or failed.
         self._drawing: dict[bytes, asyncio.Event] = {}
         # Its failures are raised as a step's are: a lost connection names the Redis it could not reach.
-        self._ticket_lane: Lane[_Values] = Lane(self._draw_tickets, core.failure)
+        self._ticket_lane: Lane[None] = Lane(self._draw_tickets, core.failure)
         # The acquires given up together leave :arriving together: one connection, not one each.
-        self._withdrawal_lane: Lane[_Values] = Lane(self._take_out_of_arriving, core.failure)
+        self._withdrawal_lane: Lane[None] = Lane(self._take_out_of_arriving, core.failure)
 
     async def close(self) -> None:
         """Wait for the unlocks of steps interrupted meanwhile (each bounded by the lock's lifetime)."""
@@ -197,7 +197,7 @@ class WatchedSteps:
         waiter.fail(overdue(f"drawing a ticket of semaphore {settings.name!r}", step_bound(settings.timeout)))
 
     def _drawn(
-        self, waiter: Waiter, then: Callable[[], None], outcome: tuple[Sequence[int], _Values] | BaseException
+        self, waiter: Waiter, then: Callable[[], None], outcome: tuple[Sequence[int], None] | BaseException
     ) -> None:
         """What a waiter's ticket draw answered, read in the ticket lane's task."""
         if waiter.timer is not None:
@@ -215,7 +215,9 @@ class WatchedSteps:
         self._tickets[waiter.identifier.encode()] = ticket
         then()
 
-    async def _draw_tickets(self, identifiers: Sequence[str], waiting_since: float | None) -> _Values:
+    async def _draw_tickets(
+        self, identifiers: Sequence[str], waiting_since: float | None
+    ) -> tuple[Sequence[int], None]:
         # Each waiter's timer bounds its wait, from its arrival; the draw's own
         # bound, the same, frees the lane of a connection that never answers.
         # A try whose reply was lost may have drawn tickets nobody holds: a
@@ -230,7 +232,7 @@ class WatchedSteps:
             last = _last_ticket(
                 await redirected(client, attempt, bound=self._lane_bound("drawing tickets", waiting_since))
             )
-        return _Values(tuple(range(last - len(identifiers) + 1, last + 1)))
+        return range(last - len(identifiers) + 1, last + 1), None
 
     def _lane_bound(self, what: str, waiting_since: float | None) -> Bound:
         """The bound of a batch of one of this class's lanes: a step's, from the call that waited longest."""
@@ -296,7 +298,9 @@ class WatchedSteps:
             else:
                 self._on_the_way.difference_update(members)
 
-    async def _take_out_of_arriving(self, identifiers: Sequence[str], waiting_since: float | None) -> _Values:
+    async def _take_out_of_arriving(
+        self, identifiers: Sequence[str], waiting_since: float | None
+    ) -> tuple[Sequence[int], None]:
         keys = self._core.keys
 
         async def attempt() -> None:
@@ -304,7 +308,7 @@ class WatchedSteps:
                 await connection.batch(("ZREM", keys.arriving, *identifiers))
 
         await redirected(self._core.client, attempt, bound=self._lane_bound("leaving :arriving", waiting_since))
-        return _Values((0,) * len(identifiers))
+        return (0,) * len(identifiers), None
 
     async def execute(self, step: Step, identifiers: Sequence[str], call: str) -> Reply | None:
         # A step whose bound has passed -- its loop woke from a long block,
@@ -595,13 +599,6 @@ class WatchedSteps:
                 bound,
                 extra=log_fields(self._core.settings.name),
             )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Values:
-    """What a lane of `WatchedSteps` answers, one value per identifier: its ticket, or 0 once out of ``:arriving``."""
-
-    values: tuple[int, ...]
 
 
 #: How far past what it needs a Lua-free step reads the queue, to see past

@@ -6,8 +6,6 @@ import asyncio
 import logging
 import math
 import time
-import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -15,8 +13,8 @@ import redis
 import redis.exceptions
 
 from ._connection import address, watch_eviction_policy
-from ._coordination import Lane, Submission, clean_up
-from ._exceptions import AcquireTimeout, in_place_of, out_of_memory, unavailable
+from ._coordination import LaneOfLoop, Submission, clean_up
+from ._exceptions import AcquireTimeout, out_of_memory, step_failure
 from ._keys import SemaphoreKeys, check_prefix
 from ._observing import emit, log_fields
 from ._options import DEFAULT, DEFAULT_PREFIX, RateLimiterOptions, _Default, refuse_unknown
@@ -88,7 +86,6 @@ class AsyncRateLimiter:
         "_interval_us",
         "_key",
         "_lane",
-        "_lane_loop",
         "_name",
         "_per",
         "_rate",
@@ -106,8 +103,7 @@ class AsyncRateLimiter:
         self._client = check_client(client)
         self._interval_us = max(1, round(self._per / self._rate * _MICROSECONDS))
         #: The calls of the object's tasks go to Redis together, a batch at a time, in its event loop's lane.
-        self._lane: Lane[_Replies] | None = None
-        self._lane_loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        self._lane: LaneOfLoop[None] = LaneOfLoop(self._run_batch, self._failure)
 
     @property
     def name(self) -> str:
@@ -154,17 +150,14 @@ class AsyncRateLimiter:
         call = _Call(mode, argument, cost)
         return _outcome(await self._send(call))
 
-    def _send(self, call: _Call) -> asyncio.Future[tuple[Sequence[int], _Replies]]:
+    def _send(self, call: _Call) -> asyncio.Future[tuple[Sequence[int], None]]:
         """Have ``call`` go with the lane's next batch: its answer, which cancelled before it is sent leaves it out."""
         loop = asyncio.get_running_loop()
-        if self._lane is None or self._lane_loop is None or self._lane_loop() is not loop:
-            # A lane's task belongs to its loop: an object used again in another loop starts a lane of its own.
-            self._lane, self._lane_loop = Lane(self._run_batch, self._failure), weakref.ref(loop)
         answer = call.answer = loop.create_future()
-        self._lane.enqueue(call, loop)
+        self._lane.of(loop).enqueue(call, loop)
         return answer
 
-    async def _run_batch(self, arguments: Sequence[str], waiting_since: float | None) -> _Replies:
+    async def _run_batch(self, arguments: Sequence[str], waiting_since: float | None) -> tuple[Sequence[int], None]:
         """Run the calls of a batch -- each its mode, argument and cost -- in one script, in order."""
         now = "" if self._clock is None else repr(check_now(self._clock(), "clock()"))
         tolerance = (self._burst - 1) * self._interval_us
@@ -176,15 +169,11 @@ class AsyncRateLimiter:
                 )
             except redis.exceptions.OutOfMemoryError as error:
                 raise out_of_memory(error, self._name, "rate limiter") from None
-        return _Replies(tuple(int(value) for value in replies))
+        return [int(value) for value in replies], None
 
     def _failure(self, error: Exception) -> BaseException:
-        """What each caller of a failed batch raises: a lost connection names the Redis it could not reach."""
-        if isinstance(error, redis.exceptions.ConnectionError) and not isinstance(
-            error, redis.exceptions.AuthenticationError
-        ):
-            return in_place_of(unavailable(error, self._name, address(self._client), "rate limiter"), error)
-        return error
+        """What each caller of a failed batch raises: see `step_failure`."""
+        return step_failure(error, self._name, address(self._client), "rate limiter")
 
     async def acquire(
         self, blocking: bool = True, blocking_timeout: float | _Default | None = DEFAULT, *, cost: int = 1
@@ -269,7 +258,7 @@ class AsyncRateLimiter:
                 answer.cancel()  # left out of its batch
             raise
 
-    async def _slots_of(self, answer: asyncio.Future[tuple[Sequence[int], _Replies]], cost: int) -> None:
+    async def _slots_of(self, answer: asyncio.Future[tuple[Sequence[int], None]], cost: int) -> None:
         """Give back the ``cost`` slots the call ``answer`` answers took, if it took them."""
         try:
             granted, _, tat = _outcome(await answer)
@@ -331,7 +320,7 @@ class AsyncRateLimiter:
         """Nothing: a slot, once come, is used."""
 
 
-class _Call(Submission["_Replies"]):
+class _Call(Submission[None]):
     """One call of the rate script in its limiter's lane: its mode, argument and cost, three of the batch's arguments.
 
     The lane answers it with three values: granted (1 or 0), the wait in
@@ -344,14 +333,7 @@ class _Call(Submission["_Replies"]):
         super().__init__((mode, argument, str(cost)))
 
 
-@dataclass(frozen=True, slots=True)
-class _Replies:
-    """What a batch of calls answered: three values per call, in order."""
-
-    values: tuple[int, ...]
-
-
-def _outcome(answer: tuple[Sequence[int], _Replies]) -> tuple[bool, float, int]:
+def _outcome(answer: tuple[Sequence[int], None]) -> tuple[bool, float, int]:
     """A call's answer as its caller takes it: granted, the wait in seconds, and the TAT after it."""
     (granted, wait, tat), _ = answer
     return granted == 1, wait / _MICROSECONDS, tat

@@ -8,14 +8,13 @@ counts the scripts real semaphores send to a real server.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore
-from aiosem._coordination import Lane, Submission
+from aiosem._coordination import Lane, LaneOfLoop, Submission
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -26,9 +25,8 @@ if TYPE_CHECKING:
 SETTLE: float = 5.0
 
 
-@dataclass(frozen=True)
-class Result:
-    values: tuple[int, ...]
+#: What a test's step answers: each identifier's value, and the whole batch.
+Result = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 class Recorder:
@@ -48,11 +46,11 @@ class Recorder:
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
-        return Result(tuple(int(identifier) for identifier in identifiers))
+        return tuple(int(identifier) for identifier in identifiers), tuple(identifiers)
 
 
-async def submit(lane: Lane[Result], *identifiers: str) -> Sequence[int]:
-    submission: Submission[Result] = Submission(identifiers)
+async def submit(lane: Lane[tuple[str, ...]], *identifiers: str) -> Sequence[int]:
+    submission: Submission[tuple[str, ...]] = Submission(identifiers)
     values, _ = await lane.submit(submission, asyncio.get_running_loop())
     return values
 
@@ -88,6 +86,19 @@ async def test_calls_made_while_one_is_in_flight_go_together_in_the_next() -> No
     assert before <= first_since <= then_since <= asyncio.get_running_loop().time()
 
 
+async def test_each_call_reads_its_own_values_and_the_whole_batchs_result() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    lane = Lane(recorder.run)
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(lane.submit(Submission(("1", "2")), loop))
+    second = asyncio.create_task(lane.submit(Submission(("3",)), loop))
+    await asyncio.wait_for(recorder.started.wait(), SETTLE)
+    recorder.gate.set()
+    assert await asyncio.wait_for(first, SETTLE) == ((1, 2), ("1", "2", "3"))
+    assert await asyncio.wait_for(second, SETTLE) == ((3,), ("1", "2", "3"))
+
+
 async def test_the_calls_of_one_turn_go_in_one_batch() -> None:
     recorder = Recorder()
     lane = Lane(recorder.run)
@@ -114,7 +125,7 @@ async def test_batches_go_in_the_order_their_calls_were_made() -> None:
 async def test_a_call_cancelled_before_its_batch_starts_is_left_out_and_not_sent() -> None:
     recorder = Recorder()
     lane = Lane(recorder.run)
-    cancelled: Submission[Result] = Submission(("8",))
+    cancelled: Submission[tuple[str, ...]] = Submission(("8",))
     doomed = asyncio.create_task(lane.submit(cancelled, asyncio.get_running_loop()))
     kept = asyncio.create_task(submit(lane, "9"))
     await asyncio.sleep(0)  # both are waiting for the batch that starts next turn
@@ -130,7 +141,7 @@ async def test_a_caller_cancelled_while_its_batch_runs_raises_at_once_and_the_ba
     recorder = Recorder()
     recorder.gate = asyncio.Event()
     lane = Lane(recorder.run)
-    submission: Submission[Result] = Submission(("4",))
+    submission: Submission[tuple[str, ...]] = Submission(("4",))
     caller = asyncio.create_task(lane.submit(submission, asyncio.get_running_loop()))
     await asyncio.wait_for(recorder.started.wait(), SETTLE)
     caller.cancel()
@@ -152,7 +163,7 @@ async def test_a_failing_batch_fails_every_call_in_it_and_the_lane_goes_on() -> 
         await gate.wait()
         if "bad" in identifiers:
             raise RuntimeError("the step failed")
-        return Result(tuple(0 for _ in identifiers))
+        return tuple(0 for _ in identifiers), tuple(identifiers)
 
     lane = Lane(run)
     first = asyncio.create_task(submit(lane, "first"))
@@ -177,6 +188,26 @@ class CountingConnection(redis.asyncio.Connection):
         packed = command if isinstance(command, bytes) else b"".join(command)
         type(self).scripts += packed.count(b"EVALSHA")
         await super().send_packed_command(command, check_health)
+
+
+def test_a_lane_of_loop_serves_each_event_loop_with_a_lane_of_its_own() -> None:
+    recorder = Recorder()
+    lanes = LaneOfLoop(recorder.run, lambda error: error)
+    seen: list[Lane[tuple[str, ...]]] = []
+
+    async def use(identifier: str) -> Sequence[int]:
+        loop = asyncio.get_running_loop()
+        lane = lanes.of(loop)
+        assert lanes.of(loop) is lane
+        seen.append(lane)
+        values, _ = await asyncio.wait_for(lane.submit(Submission((identifier,)), loop), SETTLE)
+        return values
+
+    assert asyncio.run(use("1")) == (1,)
+    assert asyncio.run(use("2")) == (2,)
+    first, second = seen
+    assert first is not second
+    assert recorder.batches == [["1"], ["2"]]
 
 
 async def test_holders_woken_together_release_in_one_script(redis_server: RedisServer) -> None:
