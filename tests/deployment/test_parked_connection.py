@@ -18,7 +18,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _connection
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _connection
 from aiosem._connection import PARKED_FOR
 from tests.harness.support import until_one_time_checks_done
 
@@ -185,6 +185,18 @@ async def test_closing_a_semaphore_gives_its_parked_connection_back_at_once(
     await sem.aclose()
 
     assert out_of_the_pool(client) == 0
+
+
+async def test_closing_a_rate_limiter_gives_its_parked_connection_back_at_once(client: redis.asyncio.Redis) -> None:
+    limiter = AsyncRateLimiter(client, "parked", 100, burst=10)
+    assert await limiter.try_acquire()
+    await until_one_time_checks_done()
+    assert out_of_the_pool(client) == 1
+
+    await limiter.aclose()
+
+    assert out_of_the_pool(client) == 0
+    assert await limiter.try_acquire()
 
 
 def test_the_event_loops_shutdown_gives_the_parked_connection_back(redis_server: RedisServer) -> None:
