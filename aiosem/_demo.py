@@ -265,20 +265,24 @@ def interrupts_deferred() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _spawning() -> Iterator[None]:
-    """Start processes that ignore SIGINT, while Ctrl-C is taken by `interrupts_deferred`.
+    """Start processes that never see SIGINT, while Ctrl-C is taken by `interrupts_deferred`.
 
-    An ignored signal is what a new process keeps -- Python installs its
-    own SIGINT handler only over the default one -- so the workers see no
-    Ctrl-C: the run stops them. One pressed while they start is lost.
+    SIGINT is blocked in this thread meanwhile. A new process keeps its
+    parent's blocked signals through its exec, so the workers never see a
+    Ctrl-C (the run stops them through Redis). One pressed while they start
+    stays pending here until the block ends, and `_on_interrupt` takes it
+    then -- or at once, if another thread of this process took delivery.
+    (Ignoring SIGINT instead, which a new process keeps too, lost such a
+    Ctrl-C: the demo then ran to its end.)
     """
-    if signal.getsignal(signal.SIGINT) is not _on_interrupt:
+    if signal.getsignal(signal.SIGINT) is not _on_interrupt or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, _on_interrupt)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def run(config: Config, *, on_tick: Callable[[int, float], None] | None = None) -> Result:

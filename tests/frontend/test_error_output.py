@@ -202,6 +202,36 @@ def test_ctrl_c_while_the_demo_starts_stops_it_quietly() -> None:
     assert stderr == ""
 
 
+CTRL_C_WHILE_SPAWNING = """
+import os, signal, subprocess, sys, time
+from aiosem._demo import _interrupted, _spawning, interrupts_deferred
+with interrupts_deferred():
+    with _spawning():
+        worker = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(1); print('worked on')"], stdout=subprocess.PIPE, text=True
+        )
+        os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C, to the whole group, while the worker starts
+    deadline = time.monotonic() + 5
+    while not _interrupted.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("heard" if _interrupted.is_set() else "lost")
+    print(worker.communicate(timeout=30)[0].strip(), worker.returncode)
+"""
+
+
+def test_a_ctrl_c_while_the_workers_start_reaches_the_run_and_not_the_workers() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", CTRL_C_WHILE_SPAWNING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        start_new_session=True,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.splitlines() == ["heard", "worked on 0"]
+
+
 def test_status_into_a_reader_that_stops_early_ends_quietly(redis_server: RedisServer) -> None:
     # `status --json | head -1`: the reader leaves after one line of more than a pipe holds.
     with redis.Redis.from_url(redis_server.admin_url) as admin, admin.pipeline() as pipeline:
