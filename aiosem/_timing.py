@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import math
 import random
 from typing import TYPE_CHECKING, Final
@@ -29,6 +31,14 @@ _LONGEST_PAUSE: Final = 0.05
 
 #: The class of the running backend's cancel scopes, once one was made (see `cancel_scope`).
 _scope_class: type[anyio.CancelScope] | None = None
+
+# anyio imports its asyncio backend when the first scope is made in a running
+# loop: 30-110 ms here, during which that loop -- a web server's at its
+# first limited request -- runs nothing else. Imported with aiosem instead, at
+# start-up; the module's name is anyio's own rule (`anyio._backends._<name>`),
+# and should it change, the first scope imports the backend as before.
+with contextlib.suppress(ImportError):
+    importlib.import_module("anyio._backends._asyncio")
 
 
 def cancel_scope(*, deadline: float = math.inf, shield: bool = False) -> anyio.CancelScope:
