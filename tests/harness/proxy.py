@@ -427,6 +427,16 @@ class TcpProxy:
             else:
                 connection.reply_trigger = after
 
+    def disarm_replies(self) -> None:
+        """Disarm `hold_replies` on the connections that have not met its bytes yet; what is held stays held.
+
+        For a test that holds one step's reply while other steps -- which
+        may send the same bytes, on other connections opened before the
+        hold -- must go on.
+        """
+        for connection in self._open:
+            connection.reply_trigger = None
+
     def release_replies(self) -> None:
         """Forward every held reply, in order, and disarm `hold_replies`."""
         for connection in self._open:

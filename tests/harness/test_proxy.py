@@ -226,6 +226,22 @@ async def test_replies_are_held_from_the_request_that_contains_the_trigger(
         assert await read_exactly(reader, 4) == b"LAST"
 
 
+async def test_a_disarmed_hold_keeps_what_it_holds_and_holds_nothing_more(
+    echo: EchoServer, echo_proxy: TcpProxy
+) -> None:
+    async with connected(echo_proxy) as (held_reader, held), connected(echo_proxy) as (reader, writer):
+        echo_proxy.hold_replies(after=b"LAST")
+        held.write(b"LAST")
+        with anyio.fail_after(BOUND):
+            await echo_proxy.wait_until(lambda: echo_proxy.held_replies == 4)
+        echo_proxy.disarm_replies()
+        writer.write(b"LAST")  # armed with the first connection, and disarmed before it sent the bytes
+        assert await read_exactly(reader, 4) == b"LAST"
+        assert await nothing_arrives(held_reader)
+        echo_proxy.release_replies()
+        assert await read_exactly(held_reader, 4) == b"LAST"
+
+
 async def test_a_hold_stops_only_the_connections_open_now(echo: EchoServer, echo_proxy: TcpProxy) -> None:
     async with connected(echo_proxy) as (_, held):
         echo_proxy.hold_requests()
