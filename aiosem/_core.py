@@ -370,8 +370,11 @@ class Core:
             now = int(time[0]) + int(time[1]) / 1_000_000
         owned = {text(owner) for owner in owners}
         lease = self.settings.timeout
-        alive = {member: score + lease - now for member, score in scored(leases) if member in owned}
-        return (), {member: remaining for member, remaining in alive.items() if remaining > 0}
+        return (), {
+            member: remaining
+            for member, score in scored(leases)
+            if member in owned and (remaining := score + lease - now) > 0
+        }
 
     async def close(self) -> None:
         """Close the object's parts: what `_Semaphore.aclose` does, once the object is known to be in use here."""
