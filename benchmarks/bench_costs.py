@@ -46,7 +46,8 @@ Measured on one private ``redis-server``:
   guarantees (with one script in flight and with two); `GUARDED_SCRIPT`,
   the lease on the server's clock, fencing tokens, the queue in arrival
   order and the waiters' liveness; and `FairScripts`, `AsyncFairSemaphore`'s
-  own scripts, called as its steps call them. For each: cycles/s, client
+  own scripts, called as its steps call them (with one turn's scripts in
+  flight and with two turns'). For each: cycles/s, client
   and server CPU per cycle, calls per script, and the rate the two CPUs
   would allow if they never overlapped (``1 / (client + server)``). Against
   the in-process loop's time per cycle, it gives the time a cycle may take
@@ -136,6 +137,8 @@ IN_PROCESS_LOOP: Final = "asyncio.Semaphore (one process)"
 BUDGET_ROUNDS: Final = 3
 #: The keys of the semaphore `FairScripts` keeps in the budget.
 THIN_FAIR_KEYS: Final = SemaphoreKeys.for_name(DEFAULT_PREFIX, "budget-thin")
+#: The same, for the `FairScripts` loop with two turns in flight.
+DEEP_FAIR_KEYS: Final = SemaphoreKeys.for_name(DEFAULT_PREFIX, "budget-deep")
 #: How long the permits of `GUARDED_SCRIPT` and of `FairScripts` last, and how
 #: long their waiters are presumed alive after they joined the queue
 #: (seconds): aiosem's defaults.
@@ -799,7 +802,9 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
             ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-1}", 16), depth=1) as bare_1,
             ThinBatched.opened(port, OwnScript(BARE_SCRIPT, "bench:{bare-2}", 16), depth=2) as bare_2,
             ThinBatched.opened(port, OwnScript(GUARDED_SCRIPT, "bench:{guarded}", 16), depth=1) as guarded,
+            # A turn sends two scripts, its releases' and its acquires'.
             ThinBatched.opened(port, FairScripts(THIN_FAIR_KEYS, 16), depth=2) as thin_fair,
+            ThinBatched.opened(port, FairScripts(DEEP_FAIR_KEYS, 16), depth=4) as deep_fair,
         ):
             fair = AsyncFairSemaphore(client, "budget", 16)
             try:
@@ -809,6 +814,7 @@ async def budget(port: int, pid: int, seconds: float) -> list[BudgetCost]:
                     f"ThinBatched, {BARE_SCRIPT.label}, 2 in flight": bare_2,
                     f"ThinBatched, {GUARDED_SCRIPT.label}": guarded,
                     "ThinBatched, AsyncFairSemaphore's scripts": thin_fair,
+                    "ThinBatched, AsyncFairSemaphore's scripts, 2 turns in flight": deep_fair,
                     "AsyncFairSemaphore": fair,
                 }
                 tallies = {loop: Tally() for loop in loops}
