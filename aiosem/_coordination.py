@@ -445,7 +445,7 @@ class Subscriber(_PerLoop):
                 self._pubsub = self._client.pubsub()
             with anyio.CancelScope(shield=True), anyio.move_on_after(_SUBSCRIBE_TIMEOUT):
                 try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
                 except redis.RedisError:
                     logger.debug("closing aiosem's pub/sub connection failed", exc_info=True)
 

@@ -112,7 +112,7 @@ def connect(url: str) -> Client:
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **options)
     if scheme in SENTINEL_SCHEMES:
         sentinels, service, options, sentinel_options = _sentinel_arguments(url, "url")
-        sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
         client: redis.asyncio.Redis = sentinel.master_for(service)
         _sentinels[client] = sentinel
         return client

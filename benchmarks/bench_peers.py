@@ -446,7 +446,7 @@ class PublishFloor:
 
     async def aclose(self) -> None:
         if self._pubsub is not None:
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]  # untyped in redis-py
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
 
 
 #: The guarded floor's scripts. KEYS: leases, queue, waiters' deadlines,

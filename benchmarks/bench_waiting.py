@@ -190,7 +190,7 @@ async def role_handoff_waiter(client: redis.asyncio.Redis, config: Message, stdi
             continue
         await semaphore.release(permit)
         report(end=end)
-    await pubsub.aclose()  # type: ignore[no-untyped-call]
+    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
 
 
 def run_keys(name: str, run: int) -> tuple[str, str]:

@@ -554,7 +554,7 @@ async def run_side_by_side(server: RedisServer, seed: Seed, steps: list[Op]) -> 
             widest_step_ms = max(widest_step_ms, (time.monotonic() - started) * 1000)
             assert_same_state(before, after, TTL_TOLERANCE_MS + seeded_apart_ms + widest_step_ms)
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
         await sem.aclose()
         left = [key for keys in (fair, locked) for key in await admin.keys(f"{keys.base}*")]
         if left:

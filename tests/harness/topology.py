@@ -578,7 +578,7 @@ class SentinelGroup:
         The client reconnects to the new master after a failover (redis-py's
         ``SentinelConnectionPool``). Closing it closes its ``Sentinel`` too.
         """
-        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]  # untyped in redis-py
+        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # untyped before redis-py 8.2
             self.sentinels, sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
         )
         client: SentinelMasterClient = sentinel.master_for(
