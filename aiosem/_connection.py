@@ -380,16 +380,21 @@ class keeping_connections:  # noqa: N801 -- used as a function: `async with keep
 
 #: How long a connection stays parked for the next flusher of its event loop before it goes back to its pool.
 PARKED_FOR: Final = 0.1
+#: How many connections of one pool may be parked at once: one for each
+#: kind of step a busy object sends in turn -- its acquires' and its
+#: releases' flushers end and start again one after the other.
+PARKED_PER_POOL: Final = 2
 
 
 class _Park:
-    """The connection of each pool that a flusher of one event loop let go of last, kept for the next one.
+    """The connections of each pool that the flushers of one event loop let go of last, kept for the next ones.
 
     A lane's flusher ends once its lane is empty, so a lone caller starts
     one for every step, and each borrowed a connection from the pool and
     gave it back: the pool's lock, its health check and its bookkeeping cost
-    a sixth of a lone caller's CPU. The connection waits here instead, one
-    per pool, for at most `PARKED_FOR`; then it goes back to its pool. The
+    a sixth of a lone caller's CPU. The connection waits here instead, up
+    to `PARKED_PER_POOL` of them per pool, for at most `PARKED_FOR`; then
+    it goes back to its pool. The
     next flusher takes it if it is still fit -- connected, nothing unread,
     no reconnect due -- as the pool would. The loop's shutdown (its async generators closed),
     closing a semaphore object, and `aiosem.aclose` give it back at once.
@@ -399,8 +404,8 @@ class _Park:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        #: Each pool's parked connection, and when it was parked (loop time).
-        self._parked: dict[Any, tuple[AbstractConnection, float]] = {}
+        #: Each pool's parked connections, each with when it was parked (loop time), the latest last.
+        self._parked: dict[Any, list[tuple[AbstractConnection, float]]] = {}
         #: One timer for the whole park, armed while anything is parked: a
         #: flusher parks its connection every run, and a timer made and
         #: cancelled each time would stay in the loop's heap until cleaned.
@@ -426,19 +431,25 @@ class _Park:
         return park
 
     def take(self, pool: Any) -> AbstractConnection | None:
-        """The connection parked for ``pool``, if any, no longer parked."""
-        entry = self._parked.pop(pool, None)
-        return None if entry is None else entry[0]
+        """The connection parked last for ``pool``, if any, no longer parked."""
+        parked = self._parked.get(pool)
+        if not parked:
+            return None
+        connection, _ = parked.pop()
+        if not parked:
+            del self._parked[pool]
+        return connection
 
     def leave(self, pool: Any, connection: AbstractConnection) -> bool:
-        """Park ``connection`` of ``pool``, unless one is parked for it already: whether it was.
+        """Park ``connection`` of ``pool``, unless as many as may be are parked for it already: whether it was.
 
         Only a connection that steps write to directly is parked: redis-py
         does more around the others (health checks, a class of the user's).
         """
-        if self._closed or pool in self._parked or PinnedConnection(connection)._stream() is None:  # noqa: SLF001
+        parked = self._parked.get(pool, [])
+        if self._closed or len(parked) >= PARKED_PER_POOL or PinnedConnection(connection)._stream() is None:  # noqa: SLF001
             return False
-        self._parked[pool] = (connection, self._loop.time())
+        self._parked[pool] = [*parked, (connection, self._loop.time())]
         if self._expiry is None:
             self._expiry = self._loop.call_later(PARKED_FOR, self._expire)
         return True
@@ -447,19 +458,23 @@ class _Park:
         """Give back what has been parked for `PARKED_FOR`; come back for the rest when its time is up."""
         self._expiry = None
         now = self._loop.time()
-        for pool, (connection, since) in list(self._parked.items()):
-            if now - since >= PARKED_FOR:
+        for pool, parked in list(self._parked.items()):
+            for connection, since in parked:
+                if now - since >= PARKED_FOR:
+                    _returns.start(_give_back(pool, connection), name="aiosem connection back to its pool")
+            if kept := [(connection, since) for connection, since in parked if now - since < PARKED_FOR]:
+                self._parked[pool] = kept
+            else:
                 del self._parked[pool]
-                _returns.start(_give_back(pool, connection), name="aiosem connection back to its pool")
         if self._parked:
-            earliest = min(since for _, since in self._parked.values())
+            earliest = min(since for parked in self._parked.values() for _, since in parked)
             self._expiry = self._loop.call_at(earliest + PARKED_FOR, self._expire)
 
     async def give_back(self, pool: Any = None) -> None:
-        """Give back at once the connection parked for ``pool`` (every one, with ``None``)."""
+        """Give back at once the connections parked for ``pool`` (for every pool, with ``None``)."""
         for parked_pool in [parked for parked in self._parked if pool is None or parked is pool]:
-            connection, _ = self._parked.pop(parked_pool)
-            await _give_back(parked_pool, connection)
+            for connection, _ in self._parked.pop(parked_pool):
+                await _give_back(parked_pool, connection)
         if not self._parked and self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -496,7 +511,7 @@ async def _fit(connection: AbstractConnection) -> bool:
 
 
 async def give_back_parked(client: Client) -> None:
-    """Give back at once the connection parked for ``client``'s pool in the running event loop, if any."""
+    """Give back at once the connections parked for ``client``'s pool in the running event loop, if any."""
     if isinstance(client, RedisCluster):
         return  # a cluster's connections are never parked
     park = _parks.get(asyncio.get_running_loop())

@@ -19,7 +19,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, _connection
-from aiosem._connection import PARKED_FOR
+from aiosem._connection import PARKED_FOR, PARKED_PER_POOL
 from tests.harness.support import until_one_time_checks_done
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def out_of_the_pool(client: redis.asyncio.Redis) -> int:
 
 def the_parked_connection() -> AbstractConnection:
     """The one connection parked in the running event loop."""
-    (parked,) = [connection for connection, _ in _connection._parks[asyncio.get_running_loop()]._parked.values()]
+    parks = _connection._parks[asyncio.get_running_loop()]._parked.values()
+    (parked,) = [connection for parked in parks for connection, _ in parked]
     return parked
 
 
@@ -218,13 +219,42 @@ def test_the_event_loops_shutdown_gives_the_parked_connection_back(redis_server:
         loop.close()
 
 
-async def test_two_flushers_at_once_park_one_connection_and_give_the_other_back(client: redis.asyncio.Redis) -> None:
-    first, second = AsyncFairSemaphore(client, "parked-1", 1), AsyncFairSemaphore(client, "parked-2", 1)
-    await first_cycle(first)
+async def test_flushers_ending_at_once_park_two_connections_and_give_the_others_back(
+    client: redis.asyncio.Redis,
+) -> None:
+    semaphores = [AsyncFairSemaphore(client, f"parked-{index}", 1) for index in range(PARKED_PER_POOL + 2)]
+    await first_cycle(semaphores[0])
 
-    await asyncio.gather(cycle(first), cycle(second))
+    await asyncio.gather(*(cycle(sem) for sem in semaphores))
 
-    assert out_of_the_pool(client) == 1
+    assert out_of_the_pool(client) == PARKED_PER_POOL
+
+
+async def test_an_objects_acquires_and_releases_taking_turns_borrow_no_connection_while_steps_come(
+    cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], client: redis.asyncio.Redis
+) -> None:
+    # Each holder keeps its permit a loop pass, as a request's handler does:
+    # the acquires' flusher and the releases' end and start one after the
+    # other, and each finds a connection parked by the last.
+    sem = cls(client, "parked", 2)
+    await first_cycle(sem)
+
+    async def holder() -> None:
+        for _ in range(10):
+            permit = await sem.acquire()
+            assert permit is not None
+            await asyncio.sleep(0)
+            assert await sem.release(permit)
+
+    async def steps() -> None:
+        await asyncio.gather(*(holder() for _ in range(4)))
+
+    await steps()  # the waiting's one-time set-up: its channel, its subscription
+    borrowed = borrows_by_lanes(client)
+    with anyio.fail_after(BOUND):
+        await steps()
+
+    assert borrowed[0] <= 1
 
 
 def test_a_park_left_by_a_loop_closed_without_its_shutdown_is_forgotten_by_the_next_loop(
