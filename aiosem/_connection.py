@@ -445,9 +445,17 @@ class _Park:
 
         Only a connection that steps write to directly is parked: redis-py
         does more around the others (health checks, a class of the user's).
+        Nor is the last connection a bounded pool could hand out: the
+        application's next command would wait for it, or -- from a pool that
+        does not block -- fail with "Too many connections".
         """
         parked = self._parked.get(pool, [])
-        if self._closed or len(parked) >= PARKED_PER_POOL or PinnedConnection(connection)._stream() is None:  # noqa: SLF001
+        if (
+            self._closed
+            or len(parked) >= PARKED_PER_POOL
+            or len(pool._in_use_connections) >= pool.max_connections  # noqa: SLF001 -- redis-py 5 to 8
+            or PinnedConnection(connection)._stream() is None  # noqa: SLF001
+        ):
             return False
         self._parked[pool] = [*parked, (connection, self._loop.time())]
         if self._expiry is None:

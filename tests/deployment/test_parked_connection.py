@@ -230,6 +230,24 @@ async def test_flushers_ending_at_once_park_two_connections_and_give_the_others_
     assert out_of_the_pool(client) == PARKED_PER_POOL
 
 
+async def test_a_bounded_pool_keeps_a_connection_for_the_application_past_the_park(
+    redis_server: RedisServer,
+) -> None:
+    # A pool that does not block refuses a connection past its bound ("Too
+    # many connections"): two parked would have taken both of its two.
+    client = redis_server.client(socket_timeout=5, max_connections=2)
+    try:
+        first, second = AsyncFairSemaphore(client, "parked-1", 1), AsyncFairSemaphore(client, "parked-2", 1)
+        await first_cycle(first)
+
+        await asyncio.gather(cycle(first), cycle(second))
+
+        assert out_of_the_pool(client) == 1
+        assert await client.ping()
+    finally:
+        await client.aclose()
+
+
 async def test_an_objects_acquires_and_releases_taking_turns_borrow_no_connection_while_steps_come(
     cls: type[AsyncFairSemaphore | AsyncLockedSemaphore], client: redis.asyncio.Redis
 ) -> None:
