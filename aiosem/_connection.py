@@ -394,10 +394,10 @@ class _Park:
     gave it back: the pool's lock, its health check and its bookkeeping cost
     a sixth of a lone caller's CPU. The connection waits here instead, up
     to `PARKED_PER_POOL` of them per pool, for at most `PARKED_FOR`; then
-    it goes back to its pool. The
-    next flusher takes it if it is still fit -- connected, nothing unread,
-    no reconnect due -- as the pool would. The loop's shutdown (its async generators closed),
-    closing a semaphore object, and `aiosem.aclose` give it back at once.
+    it goes back to its pool. The next flusher takes the one parked last
+    if it is still fit -- connected, nothing unread, no reconnect due -- as
+    the pool would. The loop's shutdown (its async generators closed),
+    closing a semaphore object, and `aiosem.aclose` give them back at once.
     """
 
     __slots__ = ("_closed", "_expiry", "_loop", "_parked", "_watcher")
@@ -453,7 +453,7 @@ class _Park:
         if (
             self._closed
             or len(parked) >= PARKED_PER_POOL
-            or len(pool._in_use_connections) >= pool.max_connections  # noqa: SLF001 -- redis-py 5 to 8
+            or not _spares_one(pool)
             or PinnedConnection(connection)._stream() is None  # noqa: SLF001
         ):
             return False
@@ -497,6 +497,13 @@ class _Park:
             await self.give_back()
             if _parks.get(self._loop) is self:
                 del _parks[self._loop]
+
+
+def _spares_one(pool: Any) -> bool:
+    """Whether ``pool`` could hand out one more connection now (a pool that does not say so: yes)."""
+    in_use = getattr(pool, "_in_use_connections", None)  # redis-py 5 to 8
+    bound = getattr(pool, "max_connections", None)
+    return in_use is None or bound is None or len(in_use) < bound
 
 
 async def _give_back(pool: Any, connection: AbstractConnection) -> None:
