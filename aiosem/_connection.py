@@ -467,10 +467,13 @@ class _Park:
         self._expiry = None
         now = self._loop.time()
         for pool, parked in list(self._parked.items()):
+            kept = []
             for connection, since in parked:
-                if now - since >= PARKED_FOR:
+                if now - since < PARKED_FOR:
+                    kept.append((connection, since))
+                else:
                     _returns.start(_give_back(pool, connection), name="aiosem connection back to its pool")
-            if kept := [(connection, since) for connection, since in parked if now - since < PARKED_FOR]:
+            if kept:
                 self._parked[pool] = kept
             else:
                 del self._parked[pool]

@@ -267,7 +267,8 @@ async def test_an_objects_acquires_and_releases_taking_turns_borrow_no_connectio
     async def steps() -> None:
         await asyncio.gather(*(holder() for _ in range(4)))
 
-    await steps()  # the waiting's one-time set-up: its channel, its subscription
+    with anyio.fail_after(BOUND):
+        await steps()  # the waiting's one-time set-up: its channel, its subscription
     borrowed = borrows_by_lanes(client)
     with anyio.fail_after(BOUND):
         await steps()
