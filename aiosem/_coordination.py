@@ -144,20 +144,31 @@ class Lane(Generic[R]):
     and the batch's whole result. A call's bound counts from its call,
     waiting included. ``failure`` gives each call of a failed batch the
     error it is to raise (a fresh one each: an exception raised in several
-    tasks gathers all their tracebacks).
+    tasks gathers all their tracebacks). ``behind``, if given, tells whether
+    calls of another lane are about to go (`about_to_go`): this lane's
+    next batch then lets them go first, one loop pass later.
     """
 
-    __slots__ = ("_failure", "_flusher", "_pending", "_run")
+    __slots__ = ("_behind", "_failure", "_flusher", "_in_flight", "_pending", "_run")
 
     def __init__(
         self,
         run: Callable[[Sequence[str], float | None], Awaitable[tuple[Sequence[int], R]]],
         failure: Callable[[Exception], BaseException] | None = None,
+        *,
+        behind: Callable[[], bool] | None = None,
     ) -> None:
         self._run = run
         self._failure = failure
+        self._behind = behind
         self._pending: list[Submission[R]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._in_flight = False
+
+    @property
+    def about_to_go(self) -> bool:
+        """Whether calls are waiting for a batch that no batch in flight holds up: they go at the next loop pass."""
+        return bool(self._pending) and not self._in_flight
 
     async def submit(self, submission: Submission[R], loop: asyncio.AbstractEventLoop) -> tuple[Sequence[int], R]:
         """Run a step for the submission's identifiers; return their values and the whole result.
@@ -191,10 +202,16 @@ class Lane(Generic[R]):
         async with keeping_connections():
             try:
                 while self._pending:
+                    if self._behind is not None and self._behind():
+                        await asyncio.sleep(0)
                     batch = [submission for submission in self._pending if not submission.abandoned]
                     self._pending = []
                     if batch:
-                        await self._run_batch(batch)
+                        self._in_flight = True
+                        try:
+                            await self._run_batch(batch)
+                        finally:
+                            self._in_flight = False
             finally:
                 # Before the kept connections go back: a call made meanwhile starts a flusher of its own.
                 self._flusher = None

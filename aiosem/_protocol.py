@@ -76,6 +76,8 @@ class Step(enum.Enum):
 
     operation: Operation
     mode: str
+    frees: bool
+    takes: bool
     #: Whether a step of this kind waits for the replicas: acquires and refreshes, not releases or counts.
     waits_for_replicas: bool
     #: Whether a step of this kind leaves receipts: tried again, it answers what its first try did.
@@ -87,6 +89,9 @@ class Step(enum.Enum):
         self.mode = mode
         self.waits_for_replicas = operation is not Operation.RELEASE and mode != "count"
         self.leaves_receipts = operation is Operation.RELEASE and mode in ("release", "pass")
+        #: Whether a step of this kind may free permits (it gives them back) or take them (it asks for them).
+        self.frees = operation is Operation.RELEASE
+        self.takes = operation is Operation.ACQUIRE and mode in ("try", "wait")
 
 
 # What a step answers for one identifier, besides a fencing token (> 0: held).

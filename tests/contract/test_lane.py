@@ -179,6 +179,44 @@ async def test_a_failing_batch_fails_every_call_in_it_and_the_lane_goes_on() -> 
     assert batches == [["first"], ["bad", "other"], ["later"]]
 
 
+async def test_a_lane_behind_another_lets_the_others_calls_of_its_turn_go_first() -> None:
+    started: list[str] = []
+    freeing, taking = Recorder(), Recorder()
+
+    async def free(identifiers: Sequence[str], waiting_since: float | None) -> Result:
+        started.append("free")
+        return await freeing.run(identifiers, waiting_since)
+
+    async def take(identifiers: Sequence[str], waiting_since: float | None) -> Result:
+        started.append("take")
+        return await taking.run(identifiers, waiting_since)
+
+    frees = Lane(free)
+    takes = Lane(take, behind=lambda: frees.about_to_go)
+    # The take is called first; the free, in the same turn, goes first all the same.
+    calls = [asyncio.create_task(submit(takes, "1")), asyncio.create_task(submit(frees, "2"))]
+    assert await asyncio.wait_for(asyncio.gather(*calls), SETTLE) == [(1,), (2,)]
+    assert started == ["free", "take"]
+
+
+async def test_a_lane_behind_another_waits_for_no_batch_of_the_others_in_flight() -> None:
+    freeing, taking = Recorder(), Recorder()
+    freeing.gate = asyncio.Event()
+    frees = Lane(freeing.run)
+    takes = Lane(taking.run, behind=lambda: frees.about_to_go)
+    in_flight = asyncio.create_task(submit(frees, "1"))
+    await asyncio.wait_for(freeing.started.wait(), SETTLE)
+    # Held up behind the batch in flight, the next free goes later: the take does not wait for it.
+    held_up = asyncio.create_task(submit(frees, "2"))
+    await asyncio.sleep(0)
+    assert not frees.about_to_go
+    assert await asyncio.wait_for(submit(takes, "3"), SETTLE) == (3,)
+    assert freeing.batches == [["1"]]
+    freeing.gate.set()
+    assert list(await asyncio.wait_for(asyncio.gather(in_flight, held_up), SETTLE)) == [(1,), (2,)]
+    assert freeing.batches == [["1"], ["2"]]
+
+
 class CountingConnection(redis.asyncio.Connection):
     """Counts the scripts written to the socket."""
 

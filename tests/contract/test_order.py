@@ -269,3 +269,58 @@ async def test_the_first_calls_through_a_limiter_run_in_arrival_order(
 @pytest.fixture(params=["fair", "locked"])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
+
+
+# --- 6. a release and an acquire in one turn ------------------------------------------------
+
+
+async def test_a_permit_released_in_the_turn_of_a_non_blocking_acquire_is_free_for_it(
+    fresh_client: redis.asyncio.Redis,
+) -> None:
+    # As with asyncio.Semaphore: the try is called first, the release after it
+    # in the same turn, and the release reaches Redis first. (Not so for
+    # AsyncLockedSemaphore: there the try meets the release's step lock, and
+    # a single try does not wait out a busy lock.)
+    sem = AsyncFairSemaphore(fresh_client, "release-then-try", 1)
+    try:
+        held = await sem.acquire()
+        assert held is not None
+        trying = asyncio.create_task(sem.acquire(blocking=False))
+        releasing = asyncio.create_task(sem.release(held))
+        with anyio.fail_after(BOUND):
+            taken = await trying
+            assert await releasing
+        assert taken is not None
+        assert await sem.holders() == {taken.identifier: pytest.approx(sem.timeout, abs=1.0)}
+    finally:
+        await sem.aclose()
+
+
+async def test_a_release_in_the_turn_of_its_process_acquiring_again_goes_to_the_waiter_queued_first(
+    cls: SemaphoreClass, fresh_client: redis.asyncio.Redis, redis_server: RedisServer
+) -> None:
+    # The release goes ahead of the acquire made beside it; the permit is the
+    # other process's, queued first, and the acquire queues behind it.
+    sem = cls(fresh_client, "release-then-wait", 1)
+    other_client = redis_server.client()
+    other_sem = cls(other_client, "release-then-wait", 1)
+    try:
+        held = await sem.acquire()
+        assert held is not None
+        first = asyncio.create_task(other_sem.acquire())
+        await until_queued(sem)
+        again = asyncio.create_task(sem.acquire())
+        releasing = asyncio.create_task(sem.release(held))
+        with anyio.fail_after(BOUND):
+            assert await releasing
+            handed = await first
+            assert handed is not None
+            await until_queued(sem)
+        assert not again.done()
+        assert await other_sem.release(handed)
+        with anyio.fail_after(BOUND):
+            assert await again is not None
+    finally:
+        await sem.aclose()
+        await other_sem.aclose()
+        await other_client.aclose()
