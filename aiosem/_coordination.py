@@ -700,46 +700,50 @@ async def detached(call: Awaitable[T], *, name: str) -> T:
 CLEANUP_TIMEOUT: Final = 5.0
 
 
-class _Watchdog:
-    """Wakes the calls `to_the_end` waits for, of one event loop and one bound, once that bound has passed.
+class Watchdog:
+    """Settles the futures of one event loop watched with one bound, once that bound has passed.
 
-    A timer set and cancelled for each call cost more than the rest of the
-    wait (a release in every ``async with``). Calls bounded alike come due
-    in the order they started, so one timer serves them all: set for the
-    oldest call still waiting, and moved on to the next when it fires.
+    A timer set and cancelled for each future cost more than the rest of its
+    wait: the wait for the release of every ``async with``, and the deadline
+    of every queued waiter. Futures watched with one bound come due in the
+    order they were watched, so one timer serves them all: set for the
+    oldest still watched, and moved on to the next when it fires. A future
+    that comes due is settled with what ``time_up`` returns: a value, or an
+    exception to raise.
     """
 
-    __slots__ = ("_armed", "_due")
+    __slots__ = ("_armed", "_due", "_time_up")
 
     #: Held weakly, as its loop holds nothing of it but a timer.
-    _registry: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Watchdog]]] = (
+    _registry: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, Watchdog]]] = (
         weakref.WeakKeyDictionary()
     )
 
-    def __init__(self) -> None:
-        #: The wake-up of each call waiting, and when it is due (loop time), oldest first.
-        self._due: dict[asyncio.Future[None], float] = {}
+    def __init__(self, time_up: Callable[[], object]) -> None:
+        self._time_up = time_up
+        #: Each future watched, and when it is due (loop time), oldest first.
+        self._due: dict[asyncio.Future[Any], float] = {}
         self._armed = False
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop, seconds: float) -> _Watchdog:
-        """The watchdog of ``loop``, the running one, for calls bounded to ``seconds``."""
+    def of(cls, loop: asyncio.AbstractEventLoop, seconds: float) -> Watchdog:
+        """The watchdog of ``loop``, the running one, that wakes the calls `to_the_end` bounds to ``seconds``."""
         watchdogs = cls._registry.get(loop)
         if watchdogs is None:
             watchdogs = cls._registry[loop] = {}
         watchdog = watchdogs.get(seconds)
         if watchdog is None:
-            watchdog = watchdogs[seconds] = cls()
+            watchdog = watchdogs[seconds] = cls(_nothing)
         return watchdog
 
-    def watch(self, wake: asyncio.Future[None], at: float) -> None:
-        """Settle ``wake`` at loop time ``at``, later than any watched before, unless `unwatch`-ed by then."""
-        self._due[wake] = at
+    def watch(self, future: asyncio.Future[Any], at: float) -> None:
+        """Settle ``future`` at loop time ``at``, no earlier than any watched before, unless `unwatch`-ed by then."""
+        self._due[future] = at
         if not self._armed:
-            self._arm(wake.get_loop(), at)
+            self._arm(future.get_loop(), at)
 
-    def unwatch(self, wake: asyncio.Future[None]) -> None:
-        self._due.pop(wake, None)
+    def unwatch(self, future: asyncio.Future[Any]) -> None:
+        self._due.pop(future, None)
 
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         self._armed = True
@@ -749,13 +753,18 @@ class _Watchdog:
         self._armed = False
         # The loop fires a timer up to its clock's resolution early.
         now = loop.time() + _CLOCK_SLACK
-        for wake, at in list(self._due.items()):
+        due = self._due
+        while due:
+            future, at = next(iter(due.items()))
             if at > now:
                 self._arm(loop, at)
                 return
-            del self._due[wake]
-            if not wake.done():
-                wake.set_result(None)
+            del due[future]
+            resolve(future, self._time_up())
+
+
+def _nothing() -> None:
+    """What a call `to_the_end` waits for is woken with when its bound has passed."""
 
 
 #: More than an event loop's clock resolution, nothing beside a bound of seconds.
@@ -801,7 +810,7 @@ async def to_the_end(call: Awaitable[T], *, name: str | Callable[[], str], secon
             ended.set_result(None)
 
     task.add_done_callback(end)
-    watchdog = _Watchdog.of(loop, seconds)
+    watchdog = Watchdog.of(loop, seconds)
     watchdog.watch(ended, deadline)
     try:
         await ended

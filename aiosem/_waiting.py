@@ -26,7 +26,7 @@ import anyio
 import redis
 
 from ._channel import Channel
-from ._coordination import Submission, clean_up, raise_if_cancel_swallowed, resolve
+from ._coordination import Submission, Watchdog, clean_up, raise_if_cancel_swallowed, resolve
 from ._exceptions import SemaphoreError
 from ._keys import weighted
 from ._observing import log_fields
@@ -96,7 +96,7 @@ class Waiter:
             confirming step was sent, seconds it lasts).
     """
 
-    __slots__ = ("future", "identifier", "lease", "proven", "state", "timer")
+    __slots__ = ("future", "identifier", "lease", "proven", "state", "timer", "watchdog")
 
     def __init__(self, identifier: str, future: asyncio.Future[int]) -> None:
         self.identifier = identifier
@@ -104,7 +104,9 @@ class Waiter:
         self.state = WaiterState.ARRIVING
         self.proven = -math.inf
         self.lease: tuple[float, float] | None = None
-        #: Ends the wait at its deadline, once queued; before, its arrival at its bound (see `Backend.arrive`).
+        #: Ends the wait at its deadline once queued: the watchdog of the waits bounded alike.
+        self.watchdog: Watchdog | None = None
+        #: Ends its arrival at its bound (see `Backend.arrive`).
         self.timer: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
@@ -132,14 +134,18 @@ class Waiter:
         future = self.future
         return future.exception() if future.done() and not future.cancelled() else None
 
-    def give_up_at(self, deadline: float) -> None:
+    def give_up_at(self, watchdog: Watchdog, deadline: float) -> None:
         """Have the caller stop waiting at ``deadline`` (loop time), unless a grant comes first.
 
-        A timer, not a cancel scope: waiting is what most acquires do under
-        contention, and a scope costs several times what a timer does. A grant
-        that comes first is taken, however late in the wait.
+        ``watchdog`` watches the waits of the object bounded as this one is.
+        Not a cancel scope, nor a timer of its own: waiting is what most
+        acquires do under contention, a scope costs several times what a
+        timer does, and a timer set and cancelled for each waiter stays in
+        the loop's heap. A grant that comes first is taken, however late in
+        the wait.
         """
-        self.timer = self.future.get_loop().call_at(deadline, self.fail, _TimeUp())
+        self.watchdog = watchdog
+        watchdog.watch(self.future, deadline)
 
     async def outcome(self) -> int:
         """What the caller gets: a token, a code its first step answered, or 0 if its wait ran out first."""
@@ -148,6 +154,8 @@ class Waiter:
         except _TimeUp:
             return 0
         finally:
+            if self.watchdog is not None:
+                self.watchdog.unwatch(self.future)
             if self.timer is not None:
                 self.timer.cancel()
 
@@ -188,6 +196,7 @@ class WaitQueue:
         "_recheck_at",
         "_waiters",
         "_wake",
+        "_watchdogs",
     )
 
     def __init__(self, core: Core) -> None:
@@ -205,6 +214,8 @@ class WaitQueue:
         #: The tasks giving up an acquire, and what `until_all_gone` waits on once `close` failed the waiters.
         self._giving_up: set[asyncio.Task[Any] | None] = set()
         self._all_gone: asyncio.Event | None = None
+        #: What ends the waits of each bound (seconds) at their deadlines.
+        self._watchdogs: dict[float, Watchdog] = {}
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -220,6 +231,7 @@ class WaitQueue:
         self._channel.reset()
         self._giving_up.clear()
         self._all_gone = None
+        self._watchdogs.clear()
 
     @property
     def has_waiters(self) -> bool:
@@ -257,7 +269,7 @@ class WaitQueue:
         call, whatever came before.
         """
         core = self._core
-        deadline = None if wait is None else loop.time() + wait
+        due = None if not wait else (loop.time() + wait, self._watchdog(wait))
         identifier = weighted(f"{core.process}.{secrets.token_hex(8)}", weight)
         submission: Submission[Reply] | None = None
         waiter: Waiter | None = None
@@ -270,7 +282,7 @@ class WaitQueue:
                 waiter = self._waiters[identifier] = Waiter(identifier, loop.create_future())
                 # Its first step: a grant, or a code, settles it; one that queues it leaves it waiting. (A
                 # partial, not a closure over the step: that would be a cycle, left to the garbage collector.)
-                first: WaiterStep[Reply] = WaiterStep(waiter, functools.partial(self._arrived, waiter, deadline))
+                first: WaiterStep[Reply] = WaiterStep(waiter, functools.partial(self._arrived, waiter, due))
                 submission = first
                 core.backend.arrive(waiter, lambda: self._noted(first))
                 value = await waiter.outcome()
@@ -305,9 +317,12 @@ class WaitQueue:
             self._core.enqueue(Step.WAIT, first, loop)
 
     def _arrived(
-        self, waiter: Waiter, deadline: float | None, outcome: tuple[Sequence[int], Reply] | BaseException
+        self,
+        waiter: Waiter,
+        due: tuple[float, Watchdog] | None,
+        outcome: tuple[Sequence[int], Reply] | BaseException,
     ) -> None:
-        """What the first step of a blocking acquire answered, read in the lane's task."""
+        """What the first step of a blocking acquire answered, read in the lane's task; ``due``: its deadline."""
         if not waiter.pending:
             return  # granted by the reply (`observe`) or a message, or given up on, or failed by `close`
         if isinstance(outcome, BaseException):
@@ -322,8 +337,15 @@ class WaitQueue:
         self._queued[waiter.identifier] = waiter
         self._listen()  # the pump's next heartbeat proves this waiter alive too
         self.recheck_when(reply, waiter.future.get_loop())
-        if deadline is not None:
-            waiter.give_up_at(deadline)
+        if due is not None:
+            waiter.give_up_at(due[1], due[0])
+
+    def _watchdog(self, seconds: float) -> Watchdog:
+        """What ends the waits bounded to ``seconds`` at their deadlines: they come due in the order they queued."""
+        watchdog = self._watchdogs.get(seconds)
+        if watchdog is None:
+            watchdog = self._watchdogs[seconds] = Watchdog(_TimeUp)
+        return watchdog
 
     def _leave(self, identifier: str, waiter: Waiter | None) -> None:
         """Forget an acquire that has ended, whichever way; a claim of its permit goes on."""

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aiosem._coordination import to_the_end
+from aiosem._coordination import Watchdog, to_the_end
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as asyncio_timeout
@@ -255,3 +255,39 @@ async def test_a_name_given_as_a_callable_is_made_only_for_a_timeout() -> None:
     with pytest.raises(TimeoutError, match=r"the release of a permit took longer than 0\.01 s"):
         await to_the_end(asyncio.get_running_loop().create_future(), name=name, seconds=0.01)
     assert len(made) == 2
+
+
+# --- the watchdog that bounds these waits, and queued waiters' deadlines ---------------------
+
+
+class _Due(Exception):
+    """What the watchdog under test fails a future with when it comes due."""
+
+
+async def test_a_watchdog_settles_each_future_it_watches_when_due_and_none_unwatched() -> None:
+    loop = asyncio.get_running_loop()
+    watchdog = Watchdog(_Due)
+    now = loop.time()
+    first, unwatched, last = loop.create_future(), loop.create_future(), loop.create_future()
+    watchdog.watch(first, now + 0.05)
+    watchdog.watch(unwatched, now + 0.1)
+    watchdog.watch(last, now + 0.2)
+    watchdog.unwatch(unwatched)
+    with pytest.raises(_Due):
+        await asyncio.wait_for(first, SETTLE)
+    assert not last.done()  # one timer, moved on to the next still watched
+    with pytest.raises(_Due):
+        await asyncio.wait_for(last, SETTLE)
+    assert loop.time() >= now + 0.2 - 0.001  # the loop's clock may fire a timer a resolution early
+    await asyncio.sleep(0.05)
+    assert not unwatched.done()
+
+
+async def test_a_watchdog_leaves_a_future_settled_meanwhile_as_it_is() -> None:
+    loop = asyncio.get_running_loop()
+    watchdog = Watchdog(_Due)
+    settled = loop.create_future()
+    watchdog.watch(settled, loop.time() + 0.01)
+    settled.set_result("granted")
+    await asyncio.sleep(0.05)
+    assert settled.result() == "granted"

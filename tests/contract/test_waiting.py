@@ -247,6 +247,43 @@ async def test_a_lease_running_out_wakes_the_waiter(cls: SemaphoreClass, redis_s
     await client.aclose()
 
 
+async def test_queued_waiters_give_up_each_at_their_own_deadline_whatever_their_bounds(
+    make: Callable[..., Semaphore],
+) -> None:
+    sem = make(limit=1)
+    held = await sem.acquire()
+    assert held is not None
+    started = anyio.current_time()
+    ended: dict[str, float] = {}
+
+    async def wait(label: str, blocking_timeout: float | None) -> Permit | None:
+        try:
+            return await sem.acquire(blocking_timeout=blocking_timeout)
+        finally:
+            ended[label] = anyio.current_time() - started
+
+    # Queued in this order: the short bound comes due first, behind a long one.
+    long_first = asyncio.create_task(wait("long first", 1.0))
+    short = asyncio.create_task(wait("short", 0.3))
+    long_then = asyncio.create_task(wait("long then", 1.0))
+    unbounded = asyncio.create_task(wait("unbounded", None))
+    with anyio.fail_after(BOUND):
+        assert await short is None
+        assert not long_first.done()
+        assert await long_first is None
+        assert await long_then is None
+    assert 0.3 <= ended["short"] < 1.0
+    assert 1.0 <= ended["long first"] < 1.0 + 1.0
+    assert 1.0 <= ended["long then"] < 1.0 + 1.0
+    assert not unbounded.done()
+    assert await sem.waiting() == 1
+    assert await sem.release(held)
+    with anyio.fail_after(BOUND):
+        permit = await unbounded
+    assert permit is not None
+    assert await sem.release(permit)
+
+
 async def test_a_queued_waiter_is_re_checked_when_the_earliest_lease_ends(make: Callable[..., Semaphore]) -> None:
     # No event says that a lease ran out: the waiter's process looks then.
     holder_side, waiter_side = make(timeout=10), make(timeout=10)
