@@ -745,6 +745,11 @@ class Watchdog:
     def unwatch(self, future: asyncio.Future[Any]) -> None:
         self._due.pop(future, None)
 
+    @property
+    def idle(self) -> bool:
+        """Whether it watches nothing now."""
+        return not self._due
+
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         self._armed = True
         loop.call_at(at, self._fire, loop)

@@ -76,6 +76,10 @@ class WaiterState(enum.Enum):
 _STILL_MOVING: Final = frozenset({WaiterState.HANDED, WaiterState.CLAIMING, WaiterState.RELAYED})
 
 
+#: How many watchdogs of waiters' deadlines, one per bound, an object keeps before it drops those watching nothing.
+_WATCHDOGS_KEPT: Final = 8
+
+
 class _TimeUp(Exception):
     """Set on a waiter's future when its wait runs out before a grant."""
 
@@ -342,9 +346,14 @@ class WaitQueue:
 
     def _watchdog(self, seconds: float) -> Watchdog:
         """What ends the waits bounded to ``seconds`` at their deadlines: they come due in the order they queued."""
-        watchdog = self._watchdogs.get(seconds)
+        watchdogs = self._watchdogs
+        watchdog = watchdogs.get(seconds)
         if watchdog is None:
-            watchdog = self._watchdogs[seconds] = Watchdog(_TimeUp)
+            if len(watchdogs) >= _WATCHDOGS_KEPT:
+                # Bounds computed call by call (what is left of a budget) would each keep one.
+                for idle in [bound for bound, kept in watchdogs.items() if kept.idle]:
+                    del watchdogs[idle]
+            watchdog = watchdogs[seconds] = Watchdog(_TimeUp)
         return watchdog
 
     def _leave(self, identifier: str, waiter: Waiter | None) -> None:

@@ -587,6 +587,32 @@ async def test_contended_cycles_leave_no_garbage_for_the_collector(
     assert garbage < COLLECTED_CYCLES / 10, f"{garbage} objects left to the collector by {COLLECTED_CYCLES} cycles"
 
 
+async def test_waits_bounded_call_by_call_keep_a_bounded_number_of_deadline_watchdogs(
+    cls: type[AsyncFairSemaphore] | type[AsyncLockedSemaphore], redis_server: RedisServer
+) -> None:
+    # What is left of a budget, computed at each call: every waiter's bound differs.
+    client = redis_server.client()
+    sem = cls(client, f"bounds-{secrets.token_hex(4)}", 1)
+    try:
+        for round_ in range(5):
+            held = await sem.acquire()
+            assert held is not None
+            waiters = [asyncio.create_task(sem.acquire(blocking_timeout=WAIT + round_ + n / 100)) for n in range(10)]
+            await until_queued(sem, 10)
+            for _ in range(len(waiters)):
+                assert await sem.release(held)
+                with anyio.fail_after(WAIT):
+                    (done,), _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                waiters.remove(done)
+                held = done.result()
+                assert held is not None
+            assert await sem.release(held)
+        assert len(sem._core.queue._watchdogs) <= 8 + 1  # eight kept, and the one made for the last bound
+    finally:
+        await sem.aclose()
+        await client.aclose()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_twenty_thousand_cycles_in_one_process_leave_memory_and_connections_flat(
