@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import weakref
 from contextlib import asynccontextmanager, nullcontext
 from contextvars import ContextVar
@@ -31,7 +30,7 @@ from redis.exceptions import AskError, ClusterError, MovedError, ResponseError, 
 
 from . import _fork
 from ._background import Background
-from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound, cancel_scope
+from ._timing import SHORTEST_STEP_BOUND, Backoff, Bound, Timeout, cancel_scope
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -56,11 +55,6 @@ _UTF8: Final = frozenset({"utf-8", "utf8", "utf_8"})
 #: How redis-py writes to and reads from a connection, which a connection class of the user's may override.
 _REDIS_PY_WRITE: Final = AbstractConnection.send_packed_command
 _REDIS_PY_READ: Final = AbstractConnection.read_response
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _timeout
-else:  # pragma: no cover -- redis-py depends on async-timeout there
-    from async_timeout import timeout as _timeout  # type: ignore[import-not-found,no-redef,unused-ignore]
 
 logger = logging.getLogger("aiosem")
 
@@ -286,9 +280,9 @@ class PinnedConnection:
         replies: list[Any] = []
         relaxable = hasattr(connection, "_active_read_timeout")
         try:
-            async with _timeout(connection.socket_timeout) as timeout:
+            with Timeout(connection.socket_timeout) as timeout:
                 if relaxable:
-                    connection._active_read_timeout = timeout  # noqa: SLF001 -- see above
+                    connection._active_read_timeout = timeout  # type: ignore[assignment,unused-ignore] # noqa: SLF001
                 try:
                     for _ in range(count):
                         replies.append(await parser.read_response())  # noqa: PERF401 -- awaited one by one

@@ -23,7 +23,7 @@ from redis.asyncio.connection import ConnectionPool
 
 from ._background import Background
 from ._connection import keeping_connections, redirected
-from ._timing import Backoff
+from ._timing import CLOCK_SLACK, Backoff
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -757,7 +757,7 @@ class Watchdog:
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self._armed = False
         # The loop fires a timer up to its clock's resolution early.
-        now = loop.time() + _CLOCK_SLACK
+        now = loop.time() + CLOCK_SLACK
         due = self._due
         while due:
             future, at = next(iter(due.items()))
@@ -770,10 +770,6 @@ class Watchdog:
 
 def _nothing() -> None:
     """What a call `to_the_end` waits for is woken with when its bound has passed."""
-
-
-#: More than an event loop's clock resolution, nothing beside a bound of seconds.
-_CLOCK_SLACK: Final = 0.001
 
 
 async def to_the_end(call: Awaitable[T], *, name: str | Callable[[], str], seconds: float = CLEANUP_TIMEOUT) -> T:

@@ -23,7 +23,7 @@ from ._exceptions import PermitLost
 from ._observing import emit_permit, log_fields
 from ._protocol import Step
 from ._task_stack import TaskStack
-from ._timing import Backoff, cancel_scope
+from ._timing import CLOCK_SLACK, Backoff, cancel_scope
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -177,7 +177,7 @@ class Refresher:
     def _start_due_rounds(self) -> None:
         self._timer = None
         # The loop fires a timer up to its clock's resolution early.
-        now = self._loop.time() + _CLOCK_SLACK
+        now = self._loop.time() + CLOCK_SLACK
         for semaphore in [s for s, at in self._due.items() if at <= now]:
             del self._due[semaphore]
             self._rounds[semaphore] = self._loop.create_task(self._round(semaphore), name="aiosem refresh")
@@ -193,9 +193,6 @@ class Refresher:
                 if next_at is not None:
                     self.schedule(semaphore, next_at)
 
-
-#: How early a round may start: more than an event loop's clock resolution, nothing beside a refresh interval.
-_CLOCK_SLACK: Final = 0.001
 
 #: The first pause before a failing refresh is tried again (it doubles, up to a refresh interval).
 _RETRY_PAUSE: Final = 0.05

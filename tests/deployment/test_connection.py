@@ -98,6 +98,31 @@ async def test_a_batch_whose_replies_stall_past_the_socket_timeout_raises_and_cl
         await client.aclose()
 
 
+@pytest.mark.skipif(
+    not hasattr(redis.asyncio.Connection, "update_current_socket_timeout"),
+    reason="this redis-py relaxes no read's timeout (maintenance notifications came in redis-py 7)",
+)
+async def test_a_batch_whose_read_redis_py_relaxes_waits_past_the_socket_timeout(proxy: TcpProxy) -> None:
+    # redis-py relaxes the timeout of the read under way when the server announces a maintenance.
+    client = redis.asyncio.Redis(host=proxy.host, port=proxy.port, socket_timeout=0.3)
+    try:
+        async with pinned_connection(client, "relaxed") as connection:
+            assert await connection.batch(("ECHO", "warm")) == [b"warm"]
+            proxy.hold_replies()
+            reading = asyncio.create_task(connection.batch(("ECHO", "a"), ("ECHO", "b")))
+            with anyio.fail_after(BOUND):
+                await proxy.wait_until(lambda: proxy.held_replies > 0)
+            connection._connection.update_current_socket_timeout(BOUND)  # type: ignore[attr-defined,unused-ignore]
+            await asyncio.sleep(0.6)  # twice the socket timeout
+            assert not reading.done()
+            proxy.release_replies()
+            with anyio.fail_after(BOUND):
+                assert await reading == [b"a", b"b"]
+    finally:
+        proxy.release_replies()
+        await client.aclose()
+
+
 @pytest.mark.parametrize("shape", ["RESP2", "RESP3", "health checks"])
 @pytest.mark.parametrize(
     ("interruption", "raised"), [("cancelled", asyncio.CancelledError), ("dropped", redis.ConnectionError)]
