@@ -147,9 +147,18 @@ class Lane(Generic[R]):
     tasks gathers all their tracebacks). ``behind``, if given, tells whether
     calls of another lane are about to go (`about_to_go`): this lane's
     next batch then lets them go first, one loop pass later.
+
+    ``hold``, if given, tells whether a batch's result woke callers of
+    other calls -- a release's reply grants waiters of the process -- that
+    may make this lane's next calls at once: the batch's own callers are
+    then answered once the lane's next batch is on its way, or
+    `HOLD_TURNS` loop turns later, whichever comes first. The callers woken
+    by the result run first, and their calls go out before this batch's
+    callers make theirs; the process works on those while Redis runs the
+    batch, where it would otherwise have sat idle waiting for it.
     """
 
-    __slots__ = ("_behind", "_failure", "_flusher", "_in_flight", "_pending", "_run")
+    __slots__ = ("_behind", "_failure", "_flusher", "_held", "_hold", "_in_flight", "_pending", "_run")
 
     def __init__(
         self,
@@ -157,13 +166,17 @@ class Lane(Generic[R]):
         failure: Callable[[Exception], BaseException] | None = None,
         *,
         behind: Callable[[], bool] | None = None,
+        hold: Callable[[R], bool] | None = None,
     ) -> None:
         self._run = run
         self._failure = failure
         self._behind = behind
+        self._hold = hold
         self._pending: list[Submission[R]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._in_flight = False
+        #: The answers of the last batch, held back (see ``hold``).
+        self._held: list[tuple[Submission[R], tuple[Sequence[int], R]]] = []
 
     @property
     def about_to_go(self) -> bool:
@@ -207,6 +220,8 @@ class Lane(Generic[R]):
                     batch = [submission for submission in self._pending if not submission.abandoned]
                     self._pending = []
                     if batch:
+                        # Their callers wake once this task next waits: with the batch written.
+                        self._answer_held()
                         self._in_flight = True
                         try:
                             await self._run_batch(batch)
@@ -233,11 +248,36 @@ class Lane(Generic[R]):
             for submission in batch:
                 submission.settle(asyncio.CancelledError() if isinstance(error, asyncio.CancelledError) else error)
             raise
+        answers = []
         offset = 0
         for submission in batch:
             count = len(submission.identifiers)
-            submission.settle((values[offset : offset + count], result))
+            answers.append((submission, (values[offset : offset + count], result)))
             offset += count
+        if self._hold is not None and self._hold(result):
+            self._held = answers
+            asyncio.get_running_loop().call_soon(self._answer_held_after, HOLD_TURNS - 1, answers)
+            return
+        for submission, outcome in answers:
+            submission.settle(outcome)
+
+    def _answer_held(self) -> None:
+        held, self._held = self._held, []
+        for submission, outcome in held:
+            submission.settle(outcome)
+
+    def _answer_held_after(self, turns: int, answers: list[tuple[Submission[R], tuple[Sequence[int], R]]]) -> None:
+        if self._held is not answers:
+            return  # answered with the lane's next batch
+        if turns > 0:
+            asyncio.get_running_loop().call_soon(self._answer_held_after, turns - 1, answers)
+        else:
+            self._answer_held()
+
+
+#: How many loop turns a lane holds its callers' answers at most (see `Lane`): enough for the callers a
+#: release woke to hold their permits two passes of the loop, and release them, first.
+HOLD_TURNS: Final = 3
 
 
 class LaneOfLoop(Generic[R]):

@@ -265,6 +265,7 @@ class Core:
                 lambda ids, since: self._step(step, ids, since),
                 self.failure,
                 behind=self._freeing_about_to_go if step.takes else None,
+                hold=self.queue.wakes_here if step.frees else None,
             )
         return lane
 

@@ -255,6 +255,15 @@ class WaitQueue:
         waiter = self._waiters.get(identifier)
         return waiter if waiter is not None and not waiter.future.done() else None
 
+    def wakes_here(self, reply: Reply) -> bool:
+        """Whether ``reply``, just observed, granted permits to waiters of this object here, who wake now.
+
+        Those of a release's reply hold their permits and release them again
+        before the release's callers hear its answer (see `Lane`'s ``hold``).
+        """
+        waiters = self._waiters
+        return any(identifier in waiters for identifier, _ in reply.granted)
+
     def queued(self) -> list[str]:
         """The identifiers of the waiters known to be queued, in arrival order."""
         return list(self._queued)

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore
-from aiosem._coordination import Lane, LaneOfLoop, Submission
+from aiosem._coordination import HOLD_TURNS, Lane, LaneOfLoop, Submission
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -215,6 +215,71 @@ async def test_a_lane_behind_another_waits_for_no_batch_of_the_others_in_flight(
     freeing.gate.set()
     assert list(await asyncio.wait_for(asyncio.gather(in_flight, held_up), SETTLE)) == [(1,), (2,)]
     assert freeing.batches == [["1"], ["2"]]
+
+
+async def turns_until_done(task: asyncio.Task[Any], most: int = 100) -> int:
+    """How many passes of the loop the test waits, from now, until ``task`` is done (at most ``most``)."""
+    for turns in range(most):
+        if task.done():
+            return turns
+        await asyncio.sleep(0)
+    return most
+
+
+async def test_a_lane_that_holds_answers_gives_them_with_its_next_batch() -> None:
+    recorder = Recorder()
+    recorder.gate = asyncio.Event()
+    lane = Lane(recorder.run, hold=lambda _result: True)
+    first = asyncio.create_task(submit(lane, "1"))
+    await asyncio.wait_for(recorder.started.wait(), SETTLE)
+    second = asyncio.create_task(submit(lane, "2"))
+    await asyncio.sleep(0)  # made while the first is in flight: it goes next
+    recorder.gate.set()
+    recorder.gate = asyncio.Event()  # the second batch waits
+
+    # Answered as the next batch went: sooner than held answers are given without one.
+    assert await turns_until_done(first) < HOLD_TURNS
+    assert await first == (1,)
+    assert recorder.batches == [["1"], ["2"]]
+    assert not second.done()
+    recorder.gate.set()
+    assert await asyncio.wait_for(second, SETTLE) == (2,)
+
+
+async def test_a_lane_that_holds_answers_gives_them_a_few_turns_later_without_a_next_batch() -> None:
+    held = Lane(Recorder().run, hold=lambda _result: True)
+    not_held = Lane(Recorder().run)
+
+    held_turns = await turns_until_done(asyncio.create_task(submit(held, "1")))
+    turns = await turns_until_done(asyncio.create_task(submit(not_held, "1")))
+
+    assert held_turns == turns + HOLD_TURNS
+
+
+async def test_a_lane_holds_only_the_answers_its_hold_picks() -> None:
+    picky = Lane(Recorder().run, hold=lambda result: "held" in result)
+    not_held = Lane(Recorder().run)
+
+    picked_turns = await turns_until_done(asyncio.create_task(submit(picky, "1")))
+    turns = await turns_until_done(asyncio.create_task(submit(not_held, "1")))
+
+    assert picked_turns == turns
+
+
+async def test_a_failed_batch_is_answered_at_once_whatever_the_lane_holds() -> None:
+    async def fail(_identifiers: Sequence[str], _waiting_since: float | None) -> Result:
+        raise RuntimeError("the step failed")
+
+    async def succeed(identifiers: Sequence[str], _waiting_since: float | None) -> Result:
+        return tuple(0 for _ in identifiers), tuple(identifiers)
+
+    failing = asyncio.create_task(submit(Lane(fail, hold=lambda _result: True), "1"))
+    failed_turns = await turns_until_done(failing)
+    turns = await turns_until_done(asyncio.create_task(submit(Lane(succeed), "1")))
+
+    assert failed_turns == turns
+    with pytest.raises(RuntimeError, match="the step failed"):
+        await failing
 
 
 class CountingConnection(redis.asyncio.Connection):

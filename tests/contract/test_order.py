@@ -21,12 +21,13 @@ import pytest
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore
+from aiosem._protocol import Step
 from aiosem._scripts import FAIR_RELEASE
 from tests.harness.faults import proxied_client
 from tests.harness.support import until_queued
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Sequence
     from contextlib import AbstractAsyncContextManager
 
     import redis.asyncio
@@ -324,3 +325,69 @@ async def test_a_release_in_the_turn_of_its_process_acquiring_again_goes_to_the_
         await sem.aclose()
         await other_sem.aclose()
         await other_client.aclose()
+
+
+# --- 7. a release that wakes a waiter of its process ------------------------------------------
+
+
+async def test_a_release_that_wakes_a_waiter_here_answers_once_the_waiters_release_has_gone(
+    cls: SemaphoreClass, fresh_client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The waiter woken by the release releases at once; its release goes out
+    # before the first releaser, answered, makes its next call.
+    sem = cls(fresh_client, "wakes-here", 2)
+    events: list[str] = []
+    step = type(sem._core)._step
+
+    async def recorded(core: object, kind: Step, identifiers: Sequence[str], since: float | None = None) -> object:
+        if kind is Step.RELEASE:
+            events.append(f"release step of {', '.join(names.get(i, '?') for i in identifiers)}")
+        return await step(core, kind, identifiers, since)  # type: ignore[arg-type]
+
+    try:
+        first, second = await sem.acquire(), await sem.acquire()
+        assert first is not None
+        assert second is not None
+        names = {first.identifier: "the releaser", second.identifier: "the other holder"}
+
+        async def waiter() -> None:
+            permit = await sem.acquire()
+            assert permit is not None
+            names[permit.identifier] = "the waiter"
+            assert await sem.release(permit)
+
+        waiting = asyncio.create_task(waiter())
+        await until_queued(sem)
+        monkeypatch.setattr(type(sem._core), "_step", recorded)
+        with anyio.fail_after(BOUND):
+            assert await sem.release(first)
+            events.append("the releaser answered")
+            await waiting
+        assert events == ["release step of the releaser", "release step of the waiter", "the releaser answered"]
+        assert await sem.release(second)
+    finally:
+        await sem.aclose()
+
+
+async def test_a_release_that_wakes_a_waiter_here_answers_while_the_waiter_holds_on(
+    cls: SemaphoreClass, fresh_client: redis.asyncio.Redis
+) -> None:
+    sem = cls(fresh_client, "wakes-here-holding", 1)
+    answered = asyncio.Event()
+    try:
+        held = await sem.acquire()
+        assert held is not None
+
+        async def waiter() -> None:
+            async with sem:
+                await answered.wait()  # holds until the releaser has its answer
+
+        waiting = asyncio.create_task(waiter())
+        await until_queued(sem)
+        with anyio.fail_after(BOUND):
+            assert await sem.release(held)
+            answered.set()
+            await waiting
+        assert await sem.count() == 0
+    finally:
+        await sem.aclose()

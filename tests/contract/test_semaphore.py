@@ -144,6 +144,32 @@ async def test_another_release_call_of_a_released_permit_answers_false(make: Cal
     assert other.values == (0,)
 
 
+async def test_one_release_step_naming_a_permit_twice_releases_it_once(make: Callable[..., Semaphore]) -> None:
+    # Two releases of one permit, made at once, go in one step.
+    sem = make(limit=3)
+    twice, once = await sem.acquire(), await sem.acquire()
+    assert twice is not None
+    assert once is not None
+    never_held = f"{sem._process}.{'0' * 16}"
+    identifiers = [twice.identifier, once.identifier, twice.identifier, never_held]
+    reply = await sem._core.backend.execute(Step.RELEASE, identifiers, "")
+    assert reply is not None
+    assert reply.values == (1, 1, 0, 0)
+    assert reply.holders == 0
+    assert await sem.count() == 0
+
+
+async def test_one_release_step_frees_the_whole_weight_of_each_permit(make: Callable[..., Semaphore]) -> None:
+    sem = make(limit=6)
+    permits = [await sem.acquire(weight=weight) for weight in (3, 1, 2)]
+    assert await sem.count() == 6
+    reply = await sem._core.backend.execute(Step.RELEASE, [p.identifier for p in permits if p is not None], "")
+    assert reply is not None
+    assert reply.values == (1, 1, 1)
+    assert reply.holders == 0
+    assert await sem.acquire(blocking=False, weight=6) is not None
+
+
 async def test_a_release_receipt_lasts_as_long_as_the_call_may_be_tried_again(
     make: Callable[..., Semaphore], client_admin: redis.asyncio.Redis
 ) -> None:
