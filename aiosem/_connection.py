@@ -522,8 +522,20 @@ async def _fit(connection: AbstractConnection) -> bool:
         return False
 
 
-async def give_back_parked(client: Client) -> None:
-    """Give back at once the connections parked for ``client``'s pool in the running event loop, if any."""
+async def let_go_of(client: Client) -> None:
+    """Leave ``client`` with nothing of aiosem's under way in the running event loop, and no connection out of its pool.
+
+    The eviction-policy check its first call started ends -- cancelled, it
+    is asked again on the client's next call -- and the connections parked
+    for its pool go back at once. A client closed straight after finds
+    every connection in its pool, and nothing of aiosem's opens one again:
+    a check still under way then would reconnect the closed pool, and leave
+    the connection open in it.
+    """
+    check = _policy_checking.get(client)
+    if check is not None and check.get_loop() is asyncio.get_running_loop():
+        check.cancel()
+        await asyncio.wait([check])
     if isinstance(client, RedisCluster):
         return  # a cluster's connections are never parked
     park = _parks.get(asyncio.get_running_loop())
@@ -705,8 +717,8 @@ async def check_eviction_policy(client: Client, key: str) -> None:
         )
 
 
-#: The clients whose eviction policy is being looked at, and the tasks doing it.
-_policy_checking: weakref.WeakSet[Client] = weakref.WeakSet()
+#: The clients whose eviction policy is being looked at, each with the task doing it.
+_policy_checking: weakref.WeakKeyDictionary[Client, asyncio.Task[None]] = weakref.WeakKeyDictionary()
 _policy_checks = Background()
 
 
@@ -718,9 +730,10 @@ def watch_eviction_policy(client: Client, key: str) -> None:
     """
     if client in _policy_checked or client in _policy_checking:
         return
-    _policy_checking.add(client)
-    task = _policy_checks.start(check_eviction_policy(client, key), name="aiosem eviction policy")
-    task.add_done_callback(lambda _: _policy_checking.discard(client))
+    task = _policy_checking[client] = _policy_checks.start(
+        check_eviction_policy(client, key), name="aiosem eviction policy"
+    )
+    task.add_done_callback(lambda _: _policy_checking.pop(client, None))
 
 
 def _config_values(reply: Any) -> dict[str, str]:

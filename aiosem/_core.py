@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import redis
 
-from ._connection import Client, address, give_back_parked, redirected, scored, text, transaction
+from ._connection import Client, address, let_go_of, redirected, scored, text, transaction
 from ._coordination import Lane, LaneOfLoop, Submission, resolve, to_the_end
 from ._exceptions import NotReplicated, SemaphoreError, out_of_memory, step_failure
 from ._holding import Holdings
@@ -402,7 +402,7 @@ class Core:
         finally:
             await self.backend.close()
             # A client closed right after must find no connection of aiosem's out of its pool.
-            await give_back_parked(self.client)
+            await let_go_of(self.client)
 
     async def _close_parts(self) -> None:
         holds = self.holdings.close()

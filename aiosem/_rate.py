@@ -12,7 +12,7 @@ import anyio
 import redis
 import redis.exceptions
 
-from ._connection import address, give_back_parked, watch_eviction_policy
+from ._connection import address, let_go_of, watch_eviction_policy
 from ._coordination import LaneOfLoop, Submission, clean_up
 from ._exceptions import AcquireTimeout, out_of_memory, step_failure
 from ._keys import SemaphoreKeys, check_prefix
@@ -294,13 +294,16 @@ class AsyncRateLimiter:
     async def aclose(self) -> None:
         """Give back at once the connection the limiter's last calls left parked for the next ones.
 
-        A limiter holds no slot and runs nothing in the background; its
-        calls, like a semaphore's steps, leave their connection parked for
-        up to 0.1 s for the next calls of the event loop (see the design
-        page). After `aclose`, a client closed at once finds every
-        connection back in its pool. The limiter can still be used.
+        A limiter holds no slot; its calls, like a semaphore's steps, leave
+        their connection parked for up to 0.1 s for the next calls of the
+        event loop (see the design page), and a client's first call starts
+        a look at the server's eviction policy in the background, which
+        `aclose` ends (it is asked again on the next call). After `aclose`,
+        a client closed at once finds every connection back in its pool,
+        and nothing of aiosem's opens one again. The limiter can still be
+        used.
         """
-        await give_back_parked(self._client)
+        await let_go_of(self._client)
 
     async def __aenter__(self) -> None:
         """Wait for a slot, up to ``blocking_timeout``.

@@ -465,8 +465,10 @@ class _Semaphore:
         cancelled: their ``async with`` then raises `PermitLost`); waiting
         acquires fail with `SemaphoreError`, and have left the queue in
         Redis by the time `aclose` returns, so that the client may be closed
-        straight after; the object's subscription ends. The object can be
-        used again afterwards.
+        straight after; the object's subscription ends, and so does the look
+        at the server's eviction policy that the client's first call started
+        in the background, if it is still under way (it is asked again on
+        the client's next call). The object can be used again afterwards.
 
         Raises:
             redis.RedisError: Giving back the permits failed (they end with

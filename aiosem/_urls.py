@@ -28,7 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 
-from ._connection import give_back_parked
+from ._connection import let_go_of
 
 if TYPE_CHECKING:
     from ._connection import Client
@@ -143,10 +143,10 @@ def _retry() -> Retry:
 
 async def close(client: Client) -> None:
     """Close a client `connect` made, with its pool, and its sentinels' connections."""
+    await let_go_of(client)
     if isinstance(client, RedisCluster):
         await client.aclose()
         return
-    await give_back_parked(client)
     await client.aclose(close_connection_pool=True)
     sentinel = _sentinels.pop(client, None)
     if sentinel is not None:

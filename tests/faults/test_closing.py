@@ -19,13 +19,13 @@ import anyio
 import pytest
 
 import aiosem
-from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, SemaphoreError
+from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, SemaphoreError
 from aiosem._connection import Command, PinnedConnection
 from tests.harness.faults import proxied_client
 from tests.harness.support import until_queued
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
     from contextlib import AbstractAsyncContextManager
 
     import redis.asyncio
@@ -173,6 +173,83 @@ async def test_closing_the_semaphore_leaves_no_task_and_no_connection_of_aiosems
         # A failure here must not leave the client's connections to the next test on the server.
         await client.aclose()
     await assert_all_closed_within(admin, WITHIN)
+
+
+@pytest.fixture
+def held_check(monkeypatch: pytest.MonkeyPatch) -> tuple[anyio.Event, anyio.Event]:
+    """Holds the eviction-policy check a client's first call starts, once it has its connection: (held, go_on)."""
+    held, go_on = anyio.Event(), anyio.Event()
+    batch = PinnedConnection.batch
+
+    async def held_at_the_check(self: PinnedConnection, *commands: Command) -> list[Any]:
+        if commands[0][0] == "CONFIG":
+            held.set()
+            await go_on.wait()
+        return await batch(self, *commands)
+
+    monkeypatch.setattr(PinnedConnection, "batch", held_at_the_check)
+    return held, go_on
+
+
+async def closed_with_the_check_under_way(
+    limited: AbstractAsyncContextManager[object],
+    close: Callable[[], Awaitable[None]],
+    held_check: tuple[anyio.Event, anyio.Event],
+) -> None:
+    """Enter ``limited`` once, then ``close`` it while the check its first call started is held; let the check go on."""
+    held, go_on = held_check
+    async with limited:
+        pass
+    with anyio.fail_after(BOUND):
+        await held.wait()
+    await close()
+    go_on.set()
+
+
+async def test_a_client_closed_right_after_its_semaphore_is_never_connected_again(
+    cls: SemaphoreClass,
+    redis_server: RedisServer,
+    admin: redis.asyncio.Redis,
+    held_check: tuple[anyio.Event, anyio.Event],
+) -> None:
+    # A check still under way after `aclose` would go on once the client was
+    # closed: it connects the closed pool again, and leaves the connection
+    # open there, for the garbage collector to warn about.
+    client = redis_server.client(client_name=USERS)
+    sem = cls(client, "closing", 1)
+
+    async def close() -> None:
+        await sem.aclose()
+        await client.aclose()
+
+    await closed_with_the_check_under_way(sem, close, held_check)
+    await assert_all_closed_within(admin, WITHIN)
+    await assert_none_made_again(admin, 1.0)
+
+
+async def test_a_client_closed_right_after_its_rate_limiter_is_never_connected_again(
+    redis_server: RedisServer, admin: redis.asyncio.Redis, held_check: tuple[anyio.Event, anyio.Event]
+) -> None:
+    client = redis_server.client(client_name=USERS)
+    limiter = AsyncRateLimiter(client, "closing", 100)
+
+    async def close() -> None:
+        await limiter.aclose()
+        await client.aclose()
+
+    await closed_with_the_check_under_way(limiter, close, held_check)
+    await assert_all_closed_within(admin, WITHIN)
+    await assert_none_made_again(admin, 1.0)
+
+
+@pytest.mark.usefixtures("unconfigured")
+async def test_aiosem_aclose_ends_the_check_a_first_call_started(
+    redis_server: RedisServer, admin: redis.asyncio.Redis, held_check: tuple[anyio.Event, anyio.Event]
+) -> None:
+    aiosem.configure(url=f"{redis_server.url}?client_name={USERS}")
+    await closed_with_the_check_under_way(aiosem.limiter("closing", 1), aiosem.aclose, held_check)
+    await assert_all_closed_within(admin, WITHIN)
+    await assert_none_made_again(admin, 1.0)
 
 
 @pytest.mark.usefixtures("unconfigured")

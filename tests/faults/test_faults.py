@@ -29,7 +29,7 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, AsyncRateLimiter, Permit, PermitLost
-from aiosem._connection import give_back_parked
+from aiosem._connection import let_go_of
 from aiosem._coordination import CLEANUP_TIMEOUT
 from aiosem._scripts import FAIR_RELEASE
 from aiosem._timing import SHORTEST_STEP_BOUND
@@ -531,7 +531,7 @@ async def test_after_a_partition_heals_waiters_are_woken_by_message_again(
             await until_subscribed(keeper)
             # Only the pub/sub connection is left open to be cut off; it stays stalled after the heal.
             # (A connection parked for the next step is out of the pool: given back first.)
-            await give_back_parked(waiter_client)
+            await let_go_of(waiter_client)
             await waiter_client.connection_pool.disconnect(inuse_connections=False)
             proxy.partition()
             await anyio.sleep(OUTAGE)  # the fault
