@@ -720,22 +720,6 @@ def _ended(task: asyncio.Future[Any]) -> None:
         task.exception()  # read: a caller that gave up on it hears of its own cancellation instead
 
 
-async def detached(call: Awaitable[T], *, name: str) -> T:
-    """``await call``, run in a task of its own: a cancellation reaches the caller at once, never the call.
-
-    A call to Redis cut off half-way drops its connection, and on Python
-    3.10 and 3.11 redis-py's ``wait_for`` may swallow the cancellation
-    altogether and return as if nothing happened. The call runs on, within
-    its own bound; what it returns then is dropped.
-    """
-    task = asyncio.ensure_future(call)
-    if isinstance(task, asyncio.Task):
-        task.set_name(name)
-    _detached.keep(task)
-    task.add_done_callback(_ended)
-    return await asyncio.shield(task)
-
-
 #: How long what a cancelled caller must still do may take before it is left to the background.
 CLEANUP_TIMEOUT: Final = 5.0
 

@@ -206,38 +206,31 @@ async def closed_with_the_check_under_way(
     go_on.set()
 
 
-async def test_a_client_closed_right_after_its_semaphore_is_never_connected_again(
-    cls: SemaphoreClass,
-    redis_server: RedisServer,
-    admin: redis.asyncio.Redis,
-    held_check: tuple[anyio.Event, anyio.Event],
+#: What a user closes before their client: each kind of object that starts the check.
+CLOSED_FIRST: dict[
+    str, Callable[[redis.asyncio.Redis], AsyncFairSemaphore | AsyncLockedSemaphore | AsyncRateLimiter]
+] = {
+    "fair": lambda client: AsyncFairSemaphore(client, "closing", 1),
+    "locked": lambda client: AsyncLockedSemaphore(client, "closing", 1),
+    "rate-limiter": lambda client: AsyncRateLimiter(client, "closing", 100),
+}
+
+
+@pytest.mark.parametrize("kind", CLOSED_FIRST)
+async def test_a_client_closed_right_after_its_object_is_never_connected_again(
+    kind: str, redis_server: RedisServer, admin: redis.asyncio.Redis, held_check: tuple[anyio.Event, anyio.Event]
 ) -> None:
     # A check still under way after `aclose` would go on once the client was
     # closed: it connects the closed pool again, and leaves the connection
     # open there, for the garbage collector to warn about.
     client = redis_server.client(client_name=USERS)
-    sem = cls(client, "closing", 1)
+    limited = CLOSED_FIRST[kind](client)
 
     async def close() -> None:
-        await sem.aclose()
+        await limited.aclose()
         await client.aclose()
 
-    await closed_with_the_check_under_way(sem, close, held_check)
-    await assert_all_closed_within(admin, WITHIN)
-    await assert_none_made_again(admin, 1.0)
-
-
-async def test_a_client_closed_right_after_its_rate_limiter_is_never_connected_again(
-    redis_server: RedisServer, admin: redis.asyncio.Redis, held_check: tuple[anyio.Event, anyio.Event]
-) -> None:
-    client = redis_server.client(client_name=USERS)
-    limiter = AsyncRateLimiter(client, "closing", 100)
-
-    async def close() -> None:
-        await limiter.aclose()
-        await client.aclose()
-
-    await closed_with_the_check_under_way(limiter, close, held_check)
+    await closed_with_the_check_under_way(limited, close, held_check)
     await assert_all_closed_within(admin, WITHIN)
     await assert_none_made_again(admin, 1.0)
 
