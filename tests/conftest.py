@@ -22,6 +22,7 @@ import pytest
 
 import aiosem
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _config
+from tests.harness.connections import trace_openings
 from tests.harness.limiting import isolate
 from tests.harness.proxy import TcpProxy
 from tests.harness.support import (
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    trace_openings()
     config.addinivalue_line(
         "markers",
         "unrestricted: in the ACL mode, the test's `client` and `real_client` are the unrestricted admin"
