@@ -568,15 +568,27 @@ async def _borrow(pool: Any, *, parked: bool) -> AbstractConnection:
     park = _parks.get(asyncio.get_running_loop()) if parked else None
     connection = None if park is None else park.take(pool)
     if connection is not None:
-        if await _fit(connection):
+        try:
+            fit = await _fit(connection)
+        except BaseException:
+            # Interrupted mid-check -- a step's bound, the loop's shutdown: the
+            # connection, out of the park, would stay out of its pool for good.
+            await _close_and_give_back(pool, connection)
+            raise
+        if fit:
             return connection
         # Closed, so that the pool opens it anew: redis-py 8's pool hands out a
         # connection with something unread when it may be a maintenance notice.
-        with cancel_scope(shield=True):
-            await connection.disconnect(nowait=True)
-        await _give_back(pool, connection)
+        await _close_and_give_back(pool, connection)
     borrowed: AbstractConnection = await pool.get_connection()
     return borrowed
+
+
+async def _close_and_give_back(pool: Any, connection: AbstractConnection) -> None:
+    """Close ``connection``, whose state is not known, and give it back to ``pool``."""
+    with cancel_scope(shield=True):
+        await connection.disconnect(nowait=True)
+    await _give_back(pool, connection)
 
 
 @asynccontextmanager

@@ -293,3 +293,31 @@ def test_a_park_left_by_a_loop_closed_without_its_shutdown_is_forgotten_by_the_n
     asyncio.run(used_then_closed())
 
     assert abandoned not in _connection._parks
+
+
+async def test_a_borrow_interrupted_while_it_checks_a_parked_connection_gives_the_connection_back(
+    client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step's bound, or the loop's shutdown, may cancel a flusher as it checks the connection it took out of
+    # the park: the pool must get the connection back, closed, since nobody knows what it holds.
+    await first_cycle(AsyncFairSemaphore(client, "parked", 1))
+    parked = the_parked_connection()
+    checking, never = asyncio.Event(), asyncio.Event()
+
+    async def stuck() -> bool:
+        checking.set()
+        await never.wait()
+        return False
+
+    for check in ("can_read", "can_read_destructive"):  # redis-py 8's name, and the older one
+        if hasattr(parked, check):
+            monkeypatch.setattr(parked, check, stuck)
+    borrow = asyncio.create_task(_connection._borrow(client.connection_pool, parked=True))
+    with anyio.fail_after(BOUND):
+        await checking.wait()
+    borrow.cancel()
+
+    with pytest.raises(asyncio.CancelledError):
+        await borrow
+    assert out_of_the_pool(client) == 0
+    assert not parked.is_connected
