@@ -195,6 +195,11 @@ class PinnedConnection:
             return [b"".join([_hiredis_pack(command) for command in commands])]  # type: ignore[arg-type]
         return self._connection.pack_commands(commands)
 
+    async def close(self) -> None:
+        """Close the connection now: it goes back to its pool closed, which opens it anew when next needed."""
+        with cancel_scope(shield=True):
+            await self._connection.disconnect(nowait=True)
+
     async def retried(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run ``attempt()``, trying it again on a new connection as the client's own commands are.
 
@@ -702,6 +707,11 @@ async def check_eviction_policy(client: Client, key: str) -> None:
     full. A server that will not say (``CONFIG`` renamed or not allowed to
     the user, as on managed services) is not asked again; one out of reach
     is asked again next time.
+
+    The connection is closed afterwards, not kept in the pool: the
+    application may close its client while the look is under way -- a
+    one-request script does -- and a connection the look opened again then
+    would stay open in the closed pool.
     """
     if client in _policy_checked:
         return
@@ -709,7 +719,10 @@ async def check_eviction_policy(client: Client, key: str) -> None:
     try:
         with Bound(SHORTEST_STEP_BOUND, "reading the eviction policy"):
             async with pinned_connection(client, key) as connection:
-                (reply,) = await connection.batch(("CONFIG", "GET", "maxmemory", "maxmemory-policy"))
+                try:
+                    (reply,) = await connection.batch(("CONFIG", "GET", "maxmemory", "maxmemory-policy"))
+                finally:
+                    await connection.close()
     except ResponseError as error:
         logger.debug("could not read the eviction policy of Redis: %s", error)
         return

@@ -235,6 +235,21 @@ async def test_a_client_closed_right_after_its_object_is_never_connected_again(
     await assert_none_made_again(admin, 1.0)
 
 
+async def test_a_client_closed_under_the_check_alone_is_left_with_no_connection_open(
+    cls: SemaphoreClass,
+    redis_server: RedisServer,
+    admin: redis.asyncio.Redis,
+    held_check: tuple[anyio.Event, anyio.Event],
+) -> None:
+    # As a one-request script ends, with no `aclose` of the semaphore: the
+    # check goes on once the client is closed, and the connection it opens
+    # again for its command must not be left open in the closed pool.
+    client = redis_server.client(client_name=USERS)
+    await closed_with_the_check_under_way(cls(client, "closing", 1), client.aclose, held_check)
+    await assert_all_closed_within(admin, WITHIN)
+    await assert_none_made_again(admin, 1.0)
+
+
 @pytest.mark.usefixtures("unconfigured")
 async def test_aiosem_aclose_ends_the_check_a_first_call_started(
     redis_server: RedisServer, admin: redis.asyncio.Redis, held_check: tuple[anyio.Event, anyio.Event]
