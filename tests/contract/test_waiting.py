@@ -512,6 +512,10 @@ async def handed_over(
             tasks.start_soon(wait)
             await wait_until_queued(holder_side, 1)
             await until_subscribed(waiter_side)  # the grant comes by message
+            # The proxy holds the connections open now, and the eviction-policy check closes the one it
+            # used: once it has, the command connection is opened again, for the claim to go on.
+            await until_one_time_checks_done()
+            await waiter_side_client.ping()
             proxy.hold_requests(at=FAIR_REFRESH.sha.encode())  # every claim and heartbeat from now on
             assert await holder_side.release(held)
     assert got[0] is not None
