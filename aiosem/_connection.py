@@ -197,8 +197,7 @@ class PinnedConnection:
 
     async def close(self) -> None:
         """Close the connection now: it goes back to its pool closed, which opens it anew when next needed."""
-        with cancel_scope(shield=True):
-            await self._connection.disconnect(nowait=True)
+        await _disconnect(self._connection)
 
     async def retried(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run ``attempt()``, trying it again on a new connection as the client's own commands are.
@@ -534,8 +533,8 @@ async def let_go_of(client: Client) -> None:
     is asked again on the client's next call -- and the connections parked
     for its pool go back at once. A client closed straight after finds
     every connection in its pool, and nothing of aiosem's opens one again:
-    a check still under way then would reconnect the closed pool, and leave
-    the connection open in it.
+    a check still under way then would reconnect the closed pool for its
+    one command.
     """
     check = _policy_checking.get(client)
     if check is not None and check.get_loop() is asyncio.get_running_loop():
@@ -591,9 +590,14 @@ async def _borrow(pool: Any, *, parked: bool) -> AbstractConnection:
 
 async def _close_and_give_back(pool: Any, connection: AbstractConnection) -> None:
     """Close ``connection``, whose state is not known, and give it back to ``pool``."""
+    await _disconnect(connection)
+    await _give_back(pool, connection)
+
+
+async def _disconnect(connection: AbstractConnection) -> None:
+    """Close ``connection`` through any cancellation: one left half-closed would be handed out again."""
     with cancel_scope(shield=True):
         await connection.disconnect(nowait=True)
-    await _give_back(pool, connection)
 
 
 @asynccontextmanager
@@ -634,8 +638,7 @@ async def pinned_connection(client: Client, key: str) -> AsyncIterator[PinnedCon
     try:
         yield PinnedConnection(connection)
     except BaseException:
-        with cancel_scope(shield=True):
-            await connection.disconnect(nowait=True)
+        await _disconnect(connection)
         raise
     finally:
         await give_back()
