@@ -422,6 +422,9 @@ class FairnessResult:
     #: Inverted pairs whose earlier caller's process began a garbage
     #: collection between the two calls: its step waited for the collection.
     pairs_behind_a_collection: int
+    #: The widest gap between the calls of an inverted pair not behind a
+    #: collection.
+    widest_inversion_elsewhere_ms: float | None
     #: The longest garbage collection of a waiter process in a counted run.
     longest_collection_ms: float
     nowait_attempts: int
@@ -481,6 +484,7 @@ async def measure_fairness(port: int, kind: Kind, runs: int) -> FairnessResult:
     runs_with_inversions = misplaced = pairs = pairs_behind_collections = 0
     worst_lag = longest_collection = 0.0
     gaps: list[float] = []
+    gaps_elsewhere: list[float] = []
     try:
         async with (
             await Peer.start(
@@ -521,9 +525,11 @@ async def measure_fairness(port: int, kind: Kind, runs: int) -> FairnessResult:
                 runs_with_inversions += displaced > 0
                 misplaced += displaced
                 pairs += len(inverted)
-                pairs_behind_collections += sum(
-                    behind_a_collection(first, second, collections) for first, second in inverted
-                )
+                for first, second in inverted:
+                    if behind_a_collection(first, second, collections):
+                        pairs_behind_collections += 1
+                    else:
+                        gaps_elsewhere.append(second["called"] - first["called"])
                 longest_collection = max(
                     longest_collection, *(end - start for run in collections.values() for start, end in run), 0.0
                 )
@@ -541,6 +547,7 @@ async def measure_fairness(port: int, kind: Kind, runs: int) -> FairnessResult:
         widest_inversion_ms=ms(max(gaps)) if gaps else None,
         worst_arrival_lag_ms=ms(worst_lag),
         pairs_behind_a_collection=pairs_behind_collections,
+        widest_inversion_elsewhere_ms=ms(max(gaps_elsewhere)) if gaps_elsewhere else None,
         longest_collection_ms=ms(longest_collection),
         nowait_attempts=probe.attempts,
         nowait_successes=probe.successes,
@@ -816,6 +823,7 @@ def fairness_table(results: Sequence[FairnessResult]) -> str:
         "inverted pairs",
         "widest inversion ms",
         "of which behind a GC",
+        "widest of the others ms",
         "worst arrival lag ms",
         "longest GC ms",
         "nowait tries",
@@ -831,6 +839,7 @@ def fairness_table(results: Sequence[FairnessResult]) -> str:
             str(r.inverted_pairs),
             "-" if r.widest_inversion_ms is None else f"{r.widest_inversion_ms:.2f}",
             str(r.pairs_behind_a_collection),
+            "-" if r.widest_inversion_elsewhere_ms is None else f"{r.widest_inversion_elsewhere_ms:.2f}",
             f"{r.worst_arrival_lag_ms:.1f}",
             f"{r.longest_collection_ms:.1f}",
             str(r.nowait_attempts),
