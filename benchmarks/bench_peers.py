@@ -1007,6 +1007,8 @@ class Plan:
     warmup: float
 
 
+#: What ``--only`` may pick: the loops of every row at each limit, the hand-offs.
+PARTS: Final = ("loops", "handoffs")
 FULL: Final = Plan(duration=3.0, warmup=0.5)
 QUICK: Final = Plan(duration=1.0, warmup=0.25)
 
@@ -1019,6 +1021,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--warmup", type=non_negative, help=f"unmeasured seconds before each row (default {FULL.warmup:g})"
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        help="run this part only (again for more): the loops at each limit, or the hand-offs",
+    )
     args = parse_or_play_role(parser, argv, ROLES, run_role)
     if args is None:
         return 0
@@ -1030,7 +1038,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions: set[str] = set()
     ping: dict[str, float] | None = None
     rows: list[RowResult] = []
-    for limit in LIMITS:
+    parts = set(args.only or PARTS)
+    for limit in LIMITS if "loops" in parts else ():
         with (
             tempfile.TemporaryDirectory(prefix="aiosem-bench-") as directory,
             RedisServer(binary, Path(directory)) as server,
@@ -1050,19 +1059,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"hand-off: {PEERS[peer].label}",
                 partial(measure_handoff, peer=peer, repetitions=repetitions),
             )
-            for peer in HANDOFF_PEERS
+            for peer in (HANDOFF_PEERS if "handoffs" in parts else ())
         ]
     )
 
-    print()
-    print(results_table(rows))
-    print()
-    print(handoff_table(handoffs))
-    print()
-    if ping is None:
-        print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
-    else:
-        print("redis-benchmark PING: " + ", ".join(f"{name} {rate:,.0f} requests/s" for name, rate in ping.items()))
+    for table in (results_table(rows) if rows else None, handoff_table(handoffs) if handoffs else None):
+        if table is not None:
+            print()
+            print(table)
+    if "loops" in parts:  # the PING rate is measured before them
+        print()
+        if ping is None:
+            print("redis-benchmark PING: not measured (redis-benchmark not on PATH)")
+        else:
+            print("redis-benchmark PING: " + ", ".join(f"{name} {rate:,.0f} requests/s" for name, rate in ping.items()))
 
     if args.json is not None:
         report = {
@@ -1073,6 +1083,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if spec.package is not None
             },
             "quick": args.quick,
+            "parts": sorted(parts),
             "duration_s": duration,
             "warmup_s": warmup,
             "coroutines": COROUTINES,

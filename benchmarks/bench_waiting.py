@@ -86,6 +86,8 @@ CrashCase = Literal["holder killed", "head waiter killed"]
 T = TypeVar("T")
 
 KINDS: Final[tuple[Kind, ...]] = ("fair", "locked")
+#: What ``--only`` may pick.
+SCENARIOS: Final = ("handoff", "fairness", "crash", "idle")
 LABELS: Final[dict[Kind, str]] = {"fair": "AsyncFairSemaphore", "locked": "AsyncLockedSemaphore"}
 SCRIPT: Final = str(Path(__file__).resolve())
 
@@ -937,12 +939,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to this JSON file")
+    parser.add_argument("--only", choices=SCENARIOS, action="append", help="run this scenario only (again for more)")
     args = parse_or_play_role(parser, argv, ROLES, run_role)
     if args is None:
         return 0
     binary = redis_server_binary()
     plan = QUICK if args.quick else FULL
     versions: set[str] = set()
+    scenarios = set(args.only or SCENARIOS)
 
     handoff = [
         on_fresh_server(
@@ -951,19 +955,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"hand-off, {LABELS[kind]}",
             partial(measure_handoff, kind=kind, repetitions=plan.handoff_repetitions),
         )
-        for kind in KINDS
+        for kind in (KINDS if "handoff" in scenarios else ())
     ]
     fairness = [
         on_fresh_server(
             binary, versions, f"fairness, {LABELS[kind]}", partial(measure_fairness, kind=kind, runs=plan.fairness_runs)
         )
-        for kind in KINDS
+        for kind in (KINDS if "fairness" in scenarios else ())
     ]
     crash = [
         on_fresh_server(
             binary, versions, f"{case}, {LABELS[kind]}", partial(measure, kind=kind, repetitions=plan.crash_repetitions)
         )
-        for kind in KINDS
+        for kind in (KINDS if "crash" in scenarios else ())
         for case, measure in (("killed holder", measure_killed_holder), ("killed head waiter", measure_killed_waiter))
     ]
     idle = [
@@ -973,17 +977,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{plan.idle_waiters:,} idle waiters, {LABELS[kind]}",
             partial(measure_idle, kind=kind, waiters=plan.idle_waiters, window=plan.idle_window_s),
         )
-        for kind in KINDS
+        for kind in (KINDS if "idle" in scenarios else ())
     ]
 
-    for table in (handoff_table(handoff), fairness_table(fairness), crash_table(crash), idle_table(idle)):
-        print()
-        print(table)
+    tables = (
+        handoff_table(handoff) if handoff else None,
+        fairness_table(fairness) if fairness else None,
+        crash_table(crash) if crash else None,
+        idle_table(idle) if idle else None,
+    )
+    for table in tables:
+        if table is not None:
+            print()
+            print(table)
 
     if args.json is not None:
         report = {
             **environment(sorted(versions)),
             "quick": args.quick,
+            "scenarios": sorted(scenarios),
             "plan": asdict(plan),
             "handoff": [asdict(result) for result in handoff],
             "fairness": [asdict(result) for result in fairness],
