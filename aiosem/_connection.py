@@ -722,10 +722,9 @@ async def check_eviction_policy(client: Client, key: str) -> None:
     try:
         with Bound(SHORTEST_STEP_BOUND, "reading the eviction policy"):
             async with pinned_connection(client, key) as connection:
-                try:
-                    (reply,) = await connection.batch(("CONFIG", "GET", "maxmemory", "maxmemory-policy"))
-                finally:
-                    await connection.close()
+                # Whatever interrupts the batch, the block's end closes the connection already.
+                (reply,) = await connection.batch(("CONFIG", "GET", "maxmemory", "maxmemory-policy"))
+                await connection.close()
     except ResponseError as error:
         logger.debug("could not read the eviction policy of Redis: %s", error)
         return
