@@ -535,12 +535,13 @@ class WaitQueue:
             while self._queued or self._claims_due():
                 raise_if_cancel_swallowed(task)
                 due = next_beat if self._recheck_at is None else min(next_beat, self._recheck_at)
-                if not self._claims_due():
+                if not self._claims_due() and loop.time() < due:
                     self._wake.clear()
                     with anyio.move_on_after(due - loop.time()):
                         await self._wake.wait()
-                    if not self._claims_due() and loop.time() < due:
-                        continue
+                    # Looked at afresh: the last waiter may have left meanwhile,
+                    # and a re-check then has nobody to send.
+                    continue
                 # A claim goes at once, alone unless a heartbeat or re-check is
                 # due too: then every queued waiter goes with it.
                 everyone = loop.time() >= due
@@ -552,6 +553,7 @@ class WaitQueue:
                         next_beat = loop.time() + heartbeat
                     continue
                 await backoff.pause()
+            self._recheck_at = None  # nobody is left for it; the next waiter's first step is its first look
         finally:
             self._pump = None
 

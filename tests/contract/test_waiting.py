@@ -300,6 +300,72 @@ async def test_a_queued_waiter_is_re_checked_when_the_earliest_lease_ends(make: 
         tasks.cancel_scope.cancel()
 
 
+async def queued_and_quiet(holder_side: Semaphore, waiter_side: Semaphore, acquire: Any) -> asyncio.Task[Any]:
+    """Run ``acquire`` in a task of its own, and return it once queued, subscribed, and with no step in flight."""
+    assert await holder_side.acquire() is not None
+    waiting = asyncio.create_task(acquire())
+    await wait_until_queued(holder_side, 1)
+    with anyio.fail_after(BOUND):
+        while not waiter_side._core.queue.queued():  # the waiter's task may not have read its reply yet
+            await anyio.lowlevel.checkpoint()
+    await until_subscribed(waiter_side)
+    await until_idle(waiter_side)
+    return waiting
+
+
+def record_steps(semaphore: Semaphore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Step, list[str]]]:
+    """Every step ``semaphore``'s class carries out from now on, with the identifiers it is for."""
+    backend = type(semaphore._core.backend)
+    execute = backend.execute
+    sent: list[tuple[Step, list[str]]] = []
+
+    async def recording(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
+        sent.append((step, list(identifiers)))
+        return await execute(self, step, identifiers, call)
+
+    monkeypatch.setattr(backend, "execute", recording)
+    return sent
+
+
+async def test_a_heartbeat_due_as_the_last_waiter_gives_up_sends_nothing(
+    make: Callable[..., Semaphore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A loop that stalls lets the waiter's deadline and the heartbeat come due
+    # together: the heartbeat, run after the waiter has left, finds nobody.
+    holder_side, waiter_side = make(), make(waiter_timeout=0.6)  # a heartbeat every 0.2 s
+    deadline = anyio.CancelScope()
+
+    async def acquire() -> None:
+        with deadline:
+            await waiter_side.acquire()
+
+    waiting = await queued_and_quiet(holder_side, waiter_side, acquire)
+    sent = record_steps(waiter_side, monkeypatch)
+    deadline.deadline = anyio.current_time()  # comes first: the waiter's task runs before the pump's
+    time.sleep(0.3)  # noqa: ASYNC251 -- the stall: the next heartbeat comes due during it
+    await waiting
+    await until_idle(waiter_side)
+    assert [step for step, _ in sent] == [Step.CANCEL]
+
+
+async def test_a_re_check_asked_for_as_the_last_waiter_gives_up_sends_nothing_and_is_not_kept(
+    make: Callable[..., Semaphore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A subscription confirmed late asks for a re-check just as the last
+    # waiter gives up: nobody is left for it, and the next waiter must not
+    # inherit it as a re-check already due.
+    holder_side, waiter_side = make(), make()
+    waiting = await queued_and_quiet(holder_side, waiter_side, waiter_side.acquire)
+    sent = record_steps(waiter_side, monkeypatch)
+    waiting.cancel()  # its task runs first, and leaves the queue before the pump wakes
+    waiter_side._core.queue.recheck_now()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await until_idle(waiter_side)
+    assert [step for step, _ in sent] == [Step.CANCEL]
+    assert waiter_side._core.queue.recheck_at is None
+
+
 async def test_a_dead_waiter_holds_the_line_for_no_longer_than_its_waiter_timeout(
     cls: SemaphoreClass, redis_server: RedisServer
 ) -> None:
