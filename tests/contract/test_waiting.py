@@ -19,7 +19,7 @@ from aiosem._protocol import Step
 from aiosem._scripts import FAIR_ACQUIRE, FAIR_REFRESH
 from aiosem._waiting import Waiter
 from tests.harness.faults import proxied_client
-from tests.harness.support import until_idle, until_one_time_checks_done, until_subscribed
+from tests.harness.support import record_steps, until_idle, until_one_time_checks_done, until_subscribed
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -313,20 +313,6 @@ async def queued_and_quiet(holder_side: Semaphore, waiter_side: Semaphore, acqui
     return waiting
 
 
-def record_steps(semaphore: Semaphore, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Step, list[str]]]:
-    """Every step ``semaphore``'s class carries out from now on, with the identifiers it is for."""
-    backend = type(semaphore._core.backend)
-    execute = backend.execute
-    sent: list[tuple[Step, list[str]]] = []
-
-    async def recording(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
-        sent.append((step, list(identifiers)))
-        return await execute(self, step, identifiers, call)
-
-    monkeypatch.setattr(backend, "execute", recording)
-    return sent
-
-
 async def test_a_heartbeat_due_as_the_last_waiter_gives_up_sends_nothing(
     make: Callable[..., Semaphore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -340,12 +326,12 @@ async def test_a_heartbeat_due_as_the_last_waiter_gives_up_sends_nothing(
             await waiter_side.acquire()
 
     waiting = await queued_and_quiet(holder_side, waiter_side, acquire)
-    sent = record_steps(waiter_side, monkeypatch)
+    sent = record_steps(type(waiter_side), monkeypatch)
     deadline.deadline = anyio.current_time()  # comes first: the waiter's task runs before the pump's
     time.sleep(0.3)  # noqa: ASYNC251 -- the stall: the next heartbeat comes due during it
     await waiting
     await until_idle(waiter_side)
-    assert [step for step, _ in sent] == [Step.CANCEL]
+    assert sent == [Step.CANCEL]
 
 
 async def test_a_re_check_asked_for_as_the_last_waiter_gives_up_sends_nothing_and_is_not_kept(
@@ -356,13 +342,13 @@ async def test_a_re_check_asked_for_as_the_last_waiter_gives_up_sends_nothing_an
     # inherit it as a re-check already due.
     holder_side, waiter_side = make(), make()
     waiting = await queued_and_quiet(holder_side, waiter_side, waiter_side.acquire)
-    sent = record_steps(waiter_side, monkeypatch)
+    sent = record_steps(type(waiter_side), monkeypatch)
     waiting.cancel()  # its task runs first, and leaves the queue before the pump wakes
     waiter_side._core.queue.recheck_now()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     await until_idle(waiter_side)
-    assert [step for step, _ in sent] == [Step.CANCEL]
+    assert sent == [Step.CANCEL]
     assert waiter_side._core.queue.recheck_at is None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import pytest
@@ -25,12 +25,8 @@ from aiosem import (
     limiter,
     recipes,
 )
-from aiosem._fair import ScriptedSteps
-from aiosem._locked import WatchedSteps
-from tests.harness.support import unrestricted
-
-if TYPE_CHECKING:
-    from aiosem._protocol import Step
+from aiosem._protocol import Step
+from tests.harness.support import record_steps, unrestricted
 
 SemaphoreClass = type[AsyncFairSemaphore] | type[AsyncLockedSemaphore]
 
@@ -249,42 +245,33 @@ async def test_a_finite_blocking_timeout_is_stored_as_a_float(
 
 
 @pytest.fixture
-def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def count_steps(cls: SemaphoreClass, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
     """Record every atomic step the semaphores of ``cls`` run."""
-    steps: list[str] = []
-    backend = ScriptedSteps if cls is AsyncFairSemaphore else WatchedSteps
-    execute = backend.execute
-
-    async def counting(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
-        steps.append(f"{step.operation.value} {step.mode}".strip())
-        return await execute(self, step, identifiers, call)
-
-    monkeypatch.setattr(backend, "execute", counting)
-    return steps
+    return record_steps(cls, monkeypatch)
 
 
 async def test_a_zero_blocking_timeout_tries_once(
-    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[str]
+    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[Step]
 ) -> None:
     sem = cls(client, "sem", 1, blocking_timeout=0)
     assert await sem.acquire() is not None
     count_steps.clear()
     assert await sem.acquire() is None
-    assert count_steps == ["acquire try"]
+    assert count_steps == [Step.TRY]
 
 
 async def test_a_zero_blocking_timeout_at_the_call_tries_once(
-    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[str]
+    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[Step]
 ) -> None:
     sem = cls(client, "sem", 1)
     assert await sem.acquire() is not None
     count_steps.clear()
     assert await sem.acquire(blocking_timeout=0) is None
-    assert count_steps == ["acquire try"]
+    assert count_steps == [Step.TRY]
 
 
 async def test_a_zero_blocking_timeout_makes_async_with_fail_at_once(
-    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[str]
+    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[Step]
 ) -> None:
     sem = cls(client, "sem", 1, blocking_timeout=0)
     assert await sem.acquire() is not None
@@ -292,12 +279,12 @@ async def test_a_zero_blocking_timeout_makes_async_with_fail_at_once(
     with pytest.raises(TimeoutError, match=r"^no permit of semaphore 'sem' within 0 s$"):
         async with sem:
             pytest.fail("the body must not run")
-    assert count_steps == ["acquire try"]
+    assert count_steps == [Step.TRY]
 
 
 @pytest.mark.parametrize("construct", [None, INF], ids=["None", "inf"])
 async def test_an_unbounded_blocking_timeout_keeps_waiting(
-    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[str], construct: float | None
+    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[Step], construct: float | None
 ) -> None:
     sem = cls(client, "sem", 1, blocking_timeout=construct)
     holder = await sem.acquire()
@@ -306,13 +293,13 @@ async def test_an_unbounded_blocking_timeout_keeps_waiting(
     with anyio.move_on_after(0.3) as waited:
         await sem.acquire()
     assert waited.cancelled_caught
-    assert count_steps[0] == "acquire wait"  # queued once, then waited without polling
-    assert count_steps[-1] == "release cancel"
+    assert count_steps[0] == Step.WAIT  # queued once, then waited without polling
+    assert count_steps[-1] == Step.CANCEL
 
 
 @pytest.mark.parametrize("at_call", [None, INF], ids=["None", "inf"])
 async def test_an_unbounded_blocking_timeout_at_the_call_overrides_the_default(
-    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[str], at_call: float | None
+    cls: SemaphoreClass, client: redis.asyncio.Redis, count_steps: list[Step], at_call: float | None
 ) -> None:
     sem = cls(client, "sem", 1, blocking_timeout=0)
     holder = await sem.acquire()
@@ -321,8 +308,8 @@ async def test_an_unbounded_blocking_timeout_at_the_call_overrides_the_default(
     with anyio.move_on_after(0.3) as waited:
         await sem.acquire(blocking_timeout=at_call)
     assert waited.cancelled_caught
-    assert count_steps[0] == "acquire wait"
-    assert count_steps[-1] == "release cancel"
+    assert count_steps[0] == Step.WAIT
+    assert count_steps[-1] == Step.CANCEL
 
 
 # -- the recipes ---------------------------------------------------------------

@@ -33,11 +33,16 @@ import redis
 import redis.asyncio
 
 from aiosem import AsyncFairSemaphore, AsyncLockedSemaphore, _connection
+from aiosem._fair import ScriptedSteps
+from aiosem._locked import WatchedSteps
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
 
+    import pytest
+
     from aiosem._connection import Client
+    from aiosem._protocol import Step
 
 Semaphore = AsyncFairSemaphore | AsyncLockedSemaphore
 
@@ -481,6 +486,24 @@ async def until_subscribed(semaphore: Semaphore) -> None:
     with anyio.fail_after(5):
         while not semaphore._core.queue.channel.ready:  # noqa: ASYNC110 -- set in the background
             await asyncio.sleep(0.002)
+
+
+def record_steps(semaphore_class: type[Semaphore], monkeypatch: pytest.MonkeyPatch) -> list[Step]:
+    """Every atomic step the objects of ``semaphore_class`` carry out from now on, in the order they are carried out.
+
+    Recorded as each step starts, whichever object or task it is for: a
+    holder's refresh and a waiter's heartbeat are steps too.
+    """
+    backend: Any = ScriptedSteps if semaphore_class is AsyncFairSemaphore else WatchedSteps
+    execute = backend.execute
+    steps: list[Step] = []
+
+    async def recording(self: Any, step: Step, identifiers: Any, call: Any) -> Any:
+        steps.append(step)
+        return await execute(self, step, identifiers, call)
+
+    monkeypatch.setattr(backend, "execute", recording)
+    return steps
 
 
 async def until_one_time_checks_done() -> None:
