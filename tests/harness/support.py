@@ -519,18 +519,25 @@ async def until_one_time_checks_done() -> None:
 
 
 async def until_idle(semaphore: Semaphore) -> None:
-    """Wait until ``semaphore``'s object has no step in flight, nor a re-check due (bounded to 5 s).
+    """Wait until ``semaphore``'s object has no step in flight, nor a re-check due, nor its pump woken (bounded to 5 s).
 
     Once subscribed, an object re-checks its waiters in the background: a
     test that tells the object's writes apart waits for this after
-    `until_subscribed`.
+    `until_subscribed`. A reply can wake the pump (to set its next
+    re-check) in the turn its step ends: woken, it has yet to run, and would
+    run before anything the test starts next.
     """
     core = semaphore._core
+    queue = core.queue
     loop = asyncio.get_running_loop()
     with anyio.fail_after(5):
         while True:
-            due = core.queue.recheck_at
-            if (due is None or due > loop.time()) and all(lane._flusher is None for lane in core._lanes.values()):
+            due = queue.recheck_at
+            if (
+                (due is None or due > loop.time())
+                and all(lane._flusher is None for lane in core._lanes.values())
+                and (queue._pump is None or not queue._wake.is_set())
+            ):
                 return
             await asyncio.sleep(0.002)
 
